@@ -1,0 +1,31 @@
+"""Shared bits of the benchmark scripts: where results go and how the machine is described."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def command_line(module: str) -> str:
+    """The exact command that produced a result (run from the repository root), to be written beside it."""
+    return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:])])
+
+
+def machine() -> str:
+    """One line: CPU, cores, GPU if any, and the library versions that set the speed."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} torch threads")

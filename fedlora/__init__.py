@@ -1,0 +1,1 @@
+"""fedlora: differentially private federated LoRA with sketched Gaussian mechanisms."""

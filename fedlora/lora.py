@@ -1,0 +1,153 @@
+"""PEFT LoRA on ViT backbones, in FFA mode (A frozen at a shared seeded init) or Flex mode (A and B trained).
+
+Adapters travel as an ordered mapping ``layer -> LoRAFactors(A, B)`` with A (r x k) and B (m x r),
+so that the update of a layer is (alpha / r) * B A. Layer names are module paths in the backbone
+(``vit.layers.0.attention.q_proj``), the same on every client.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from enum import Enum
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from torch import Tensor, nn
+
+from fedlora.mechanisms import Message
+from fedlora.models import build_backbone, model_spec
+from fedlora.sketch import seeded_normal
+
+ADAPTER = "default"
+_PREFIX = "base_model.model."
+
+# Target presets, as full-match regexes over module paths (so timm's patch-embedding conv, also
+# named "proj", is never adapted). timm fuses q, k and v into one Linear, "qkv": its "qv" preset
+# adapts that fused projection.
+TARGETS: dict[tuple[str, str], str] = {
+    ("transformers", "qv"): r".*layers\.\d+\.attention\.(q_proj|v_proj)",
+    ("transformers", "all"): r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))",
+    ("timm", "qv"): r".*blocks\.\d+\.attn\.qkv",
+    ("timm", "all"): r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
+}
+
+
+class LoRAMode(str, Enum):
+    FFA = "ffa"  # A frozen at its seeded N(0, 1/r) init, only B trained (FFA-LoRA)
+    FLEX = "flex"  # A and B trained (FlexLoRA)
+
+
+class LoRAFactors(NamedTuple):
+    A: Tensor  # r x k
+    B: Tensor  # m x r
+
+
+Adapters = OrderedDict[str, LoRAFactors]
+
+
+def build_lora_model(model: str, *, num_classes: int, rank: int, alpha: float, targets: str = "qv",
+                     mode: LoRAMode | str = LoRAMode.FFA, seed: int = 0, train_head: bool = False) -> PeftModel:
+    """A backbone (seeded, identical on every client) with LoRA attached."""
+    spec = model_spec(model)
+    backbone = build_backbone(model, num_classes=num_classes, seed=seed)
+    return attach_lora(backbone, family=spec.family, head=spec.head, rank=rank, alpha=alpha, targets=targets,
+                       mode=mode, seed=seed, train_head=train_head)
+
+
+def attach_lora(backbone: nn.Module, *, family: str, head: str, rank: int, alpha: float, targets: str = "qv",
+                mode: LoRAMode | str = LoRAMode.FFA, seed: int = 0, train_head: bool = False) -> PeftModel:
+    """Wraps ``backbone`` with LoRA: A ~ N(0, 1/r) seeded per layer (the same on every client), B = 0.
+
+    ``targets`` is a preset ("qv": attention query/value; "all": every attention and MLP linear).
+    """
+    if rank <= 0:
+        raise ValueError(f"LoRA rank must be positive, got {rank}.")
+    if not alpha > 0:
+        raise ValueError(f"LoRA alpha must be positive, got {alpha}.")
+    if seed < 0:
+        raise ValueError(f"Seed must be non-negative, got {seed}.")
+    mode = LoRAMode(mode)
+    if (family, targets) not in TARGETS:
+        raise ValueError(f"Unknown LoRA targets '{targets}'; choose 'qv' or 'all'.")
+    for name, module in backbone.named_modules():
+        if isinstance(module, nn.Linear) and re.fullmatch(TARGETS[family, targets], name):
+            if rank > min(module.in_features, module.out_features):
+                raise ValueError(f"LoRA rank {rank} exceeds the smaller side of layer '{name}' "
+                                 f"({module.out_features} x {module.in_features}).")
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[family, targets],
+                        modules_to_save=[head] if train_head else None)
+    with warnings.catch_warnings():  # transformers 5 deprecation raised inside PEFT, not actionable here
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = get_peft_model(backbone, config)
+    with torch.no_grad():
+        for layer, module in _lora_layers(model):
+            a = module.lora_A[ADAPTER].weight
+            a.copy_(seeded_normal(*a.shape, std=rank ** -0.5, seed_parts=("lora-A", seed, layer),
+                                  device=a.device, dtype=a.dtype))
+            module.lora_B[ADAPTER].weight.zero_()
+            a.requires_grad_(mode is LoRAMode.FLEX)
+    return model
+
+
+def _lora_layers(model: nn.Module):
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+            yield name.removeprefix(_PREFIX), module
+
+
+def get_adapters(model: nn.Module) -> Adapters:
+    """The model's LoRA factors, detached copies, in module order."""
+    return OrderedDict((layer, LoRAFactors(m.lora_A[ADAPTER].weight.detach().clone(),
+                                           m.lora_B[ADAPTER].weight.detach().clone()))
+                       for layer, m in _lora_layers(model))
+
+
+def set_adapters(model: nn.Module, adapters: Mapping[str, LoRAFactors]) -> None:
+    """Loads factors into the model; every adapted layer must be given, with matching shapes."""
+    layers = dict(_lora_layers(model))
+    if set(layers) != set(adapters):
+        missing, extra = sorted(set(layers) - set(adapters)), sorted(set(adapters) - set(layers))
+        raise ValueError(f"Adapters do not match the model's LoRA layers (missing {missing[:3]}, unknown {extra[:3]}).")
+    with torch.no_grad():
+        for layer, (a, b) in adapters.items():
+            for param, value, side in ((layers[layer].lora_A[ADAPTER].weight, a, "A"),
+                                       (layers[layer].lora_B[ADAPTER].weight, b, "B")):
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(f"LoRA {side} of '{layer}' must have shape {tuple(param.shape)}, "
+                                     f"got {tuple(value.shape)}.")
+                param.copy_(value)
+
+
+def to_message(adapters: Mapping[str, LoRAFactors], *, mode: LoRAMode | str) -> Message:
+    """What a client sends: B of every layer, and A too in Flex mode (FFA's A never changes)."""
+    message: Message = {}
+    for layer, (a, b) in adapters.items():
+        if LoRAMode(mode) is LoRAMode.FLEX:
+            message[f"{layer}.lora_A"] = a
+        message[f"{layer}.lora_B"] = b
+    return message
+
+
+def from_message(message: Mapping[str, Tensor], base: Mapping[str, LoRAFactors]) -> Adapters:
+    """Adapters from a message; factors the message does not carry (FFA's A) come from ``base``."""
+    unknown = {name.rsplit(".", 1)[0] for name in message} - set(base)
+    if unknown:
+        raise ValueError(f"Message names unknown LoRA layers {sorted(unknown)[:3]}.")
+    return OrderedDict((layer, LoRAFactors(message.get(f"{layer}.lora_A", a), message.get(f"{layer}.lora_B", b)))
+                       for layer, (a, b) in base.items())
+
+
+def save_adapters(model: PeftModel, path: str | Path) -> None:
+    """PEFT format: ``PeftModel.from_pretrained(<same backbone>, path)`` loads it."""
+    model.save_pretrained(str(path))
+
+
+def load_adapters(model: str, path: str | Path, *, num_classes: int, seed: int = 0) -> PeftModel:
+    """A saved adapter on a freshly built backbone of the given model name."""
+    return PeftModel.from_pretrained(build_backbone(model, num_classes=num_classes, seed=seed), str(path))

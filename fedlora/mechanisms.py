@@ -1,0 +1,143 @@
+"""What a client does to its message before it leaves: clip, sketch, clip again, add noise.
+
+A message is an ordered mapping ``name -> tensor`` holding everything a client sends in one
+round (all LoRA factors, and the classifier head when it is trained). Names say how an entry is
+sketched (see ``fedlora.sketch.side_of``). Clipping is always on the Frobenius norm of the
+WHOLE message, all entries together (../shared/design/PRIVACY.md, section 1).
+
+One ``Mechanism`` class covers GM, SGMM, SGMV and the non-private baselines: they differ only in
+the sketch they compose with and in their noise.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor
+
+from fedlora.sketch import MatrixSketch, NoSketch, Sketch, SketchKey, VectorSketch
+
+Message = dict[str, Tensor]
+
+
+class ThreatModel(str, Enum):
+    """Who may know the sketch (../shared/design/PRIVACY.md, section 3)."""
+
+    KNOWN_SKETCH = "known-sketch"  # default and sound: the adversary knows R
+    SECRET_SKETCH = "secret-sketch"  # the paper's assumption: R hidden from every observer
+
+
+def message_norm(message: Mapping[str, Tensor]) -> float:
+    """Frobenius norm of the whole message (all entries concatenated), in float64."""
+    return float(torch.sqrt(sum(t.detach().double().pow(2).sum() for t in message.values())))
+
+
+def clip_message(message: Mapping[str, Tensor], clip_norm: float) -> Message:
+    """Scales the whole message by min(1, clip_norm / ||message||_F)."""
+    if not clip_norm > 0:
+        raise ValueError(f"Clip norm must be positive, got {clip_norm}.")
+    scale = min(1.0, clip_norm / max(message_norm(message), 1e-300))
+    return {name: t * scale for name, t in message.items()}
+
+
+def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from the operating system's secure randomness, for deployed clients.
+
+    Its seed is never derivable from anything the server sends.
+    """
+    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
+
+
+def gaussian_noise_like(t: Tensor, std: float, generator: torch.Generator) -> Tensor:
+    """N(0, std^2) entries shaped like t, drawn on the generator's device and moved to t's."""
+    noise = torch.randn(t.shape, generator=generator, device=generator.device, dtype=torch.float32)
+    return noise.to(device=t.device, dtype=t.dtype) * std
+
+
+@dataclass(frozen=True)
+class Mechanism:
+    """Clip the whole message at ``clip_norm``, sketch it, add N(0, (noise_multiplier * clip_norm)^2).
+
+    Under the known-sketch threat model the sketched message is clipped again at ``clip_norm``
+    before the noise: given R, the sensitivity of R X is ||R (X - X')||, which can exceed the
+    clip norm by a factor of about 1 + sqrt(m / b); post-sketch clipping restores it.
+    ``clip_norm=None`` means no clipping (non-private baselines); zero noise is allowed and the
+    mechanism then reports itself as not private.
+    """
+
+    sketch: Sketch = NoSketch()
+    clip_norm: float | None = None
+    noise_multiplier: float = 0.0
+    threat_model: ThreatModel = ThreatModel.KNOWN_SKETCH
+
+    def __post_init__(self) -> None:
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(f"Clip norm must be positive, got {self.clip_norm}.")
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"Noise multiplier must be non-negative, got {self.noise_multiplier}.")
+        if self.noise_multiplier > 0 and self.clip_norm is None:
+            raise ValueError("Noise without a clip norm bounds nothing: set clip_norm for a noisy mechanism.")
+        object.__setattr__(self, "threat_model", ThreatModel(self.threat_model))
+
+    @property
+    def private(self) -> bool:
+        """Whether the release carries a differential-privacy guarantee at all."""
+        return self.noise_multiplier > 0
+
+    @property
+    def noise_std(self) -> float:
+        """sigma, the standard deviation of each noise entry."""
+        return self.noise_multiplier * self.clip_norm if self.private else 0.0
+
+    @property
+    def clips_after_sketch(self) -> bool:
+        return (self.clip_norm is not None and not isinstance(self.sketch, NoSketch)
+                and self.threat_model is ThreatModel.KNOWN_SKETCH)
+
+    def privatize(self, message: Mapping[str, Tensor], *, key: SketchKey,
+                  noise: torch.Generator | None = None) -> Message:
+        """The client's release. ``noise`` defaults to OS-seeded randomness; seed it only in simulation."""
+        out = clip_message(message, self.clip_norm) if self.clip_norm is not None else dict(message)
+        out = {name: self.sketch.sketch(t, key=key, name=name) for name, t in out.items()}
+        if self.clips_after_sketch:
+            out = clip_message(out, self.clip_norm)
+        if self.private:
+            generator = noise if noise is not None else secure_generator()
+            out = {name: t + gaussian_noise_like(t, self.noise_std, generator) for name, t in out.items()}
+        return out
+
+    def desketch(self, message: Mapping[str, Tensor], *, key: SketchKey,
+                 shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> Message:
+        """Maps an (aggregated) release back to full space: R^T S for B, S R_A^T for A."""
+        missing = set(message) - set(shapes)
+        if missing:
+            raise ValueError(f"No target shape for message entries {sorted(missing)}.")
+        return {name: self.sketch.desketch(t, key=key, name=name, shape=shapes[name]) for name, t in message.items()}
+
+    def describe(self) -> str:
+        """One line naming the sketch, clip, noise and threat model; says NOT private when it is not."""
+        clip = f"clip {self.clip_norm:g}" if self.clip_norm is not None else "no clipping"
+        if not self.private:
+            return f"{self.sketch!r}, {clip}, no noise: NOT private (epsilon = inf)"
+        return f"{self.sketch!r}, {clip}, noise multiplier {self.noise_multiplier:g}, threat model {self.threat_model.value}"
+
+
+def gaussian_mechanism(*, clip_norm: float, noise_multiplier: float) -> Mechanism:
+    """GM: clip the dense message and add Gaussian noise to every entry."""
+    return Mechanism(NoSketch(), clip_norm, noise_multiplier)
+
+
+def sgmm_mechanism(*, sketch_dim: int, clip_norm: float, noise_multiplier: float,
+                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
+    """SGMM (paper Def. 2.4): R clip(B) + Xi with Xi in R^{b x r}; A R_A + Xi for A."""
+    return Mechanism(MatrixSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model))
+
+
+def sgmv_mechanism(*, sketch_dim: int, clip_norm: float, noise_multiplier: float,
+                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
+    """SGMV (paper Def. 2.3): R_v vec(clip(B)) + xi with xi in R^h; ``sketch_dim`` is h (the paper uses h = b r)."""
+    return Mechanism(VectorSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model))

@@ -1,0 +1,113 @@
+"""ViT backbones from transformers and timm: pretrained from the hub when reachable, tiny and random offline.
+
+A backbone is returned bare (no wrapper module), so that a PEFT adapter saved from it loads with
+``PeftModel.from_pretrained`` onto the same model built by its own library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fedlora.hub import offline_reason
+
+
+class ModelUnavailableError(ValueError):
+    """Pretrained weights could not be fetched (offline, or an unknown hub id)."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a model name stands for."""
+
+    family: str  # "transformers" or "timm"
+    source: str  # hub id (transformers) or timm model name
+    image_size: int
+    pretrained: bool
+    # Architecture overrides for random-init models (transformers ViTConfig / timm kwargs).
+    overrides: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def head(self) -> str:
+        """Name of the classifier head module."""
+        return "classifier" if self.family == "transformers" else "head"
+
+
+# Tiny ViT for CPUs and tests: 32 px, patch 4 (64 tokens), 6 blocks of width 192.
+_TINY = dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=384)
+
+MODELS: dict[str, ModelSpec] = {
+    "vit-tiny": ModelSpec("transformers", "vit-tiny", 32, False,
+                          tuple({"image_size": 32, "patch_size": 4, **_TINY}.items())),
+    "timm-vit-tiny": ModelSpec("timm", "vit_tiny_patch16_224", 32, False,
+                               (("img_size", 32), ("patch_size", 4), ("embed_dim", 192), ("depth", 6),
+                                ("num_heads", 3))),
+    # ViT-B/16 pretrained on ImageNet-21k, the paper's backbone size (86M parameters).
+    "vit-b16": ModelSpec("transformers", "google/vit-base-patch16-224-in21k", 224, True),
+    "timm-vit-b16": ModelSpec("timm", "vit_base_patch16_224.augreg_in21k", 224, True),
+    # The same architectures with random weights: offline shape checks and benchmarks.
+    "vit-b16-random": ModelSpec("transformers", "vit-b16-random", 224, False),
+    "timm-vit-b16-random": ModelSpec("timm", "vit_base_patch16_224", 224, False),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    if name not in MODELS:
+        raise ValueError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}.")
+    return MODELS[name]
+
+
+def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
+    """The classifier backbone for a model name, with a fresh ``num_classes``-way head.
+
+    Random weights (the head, and the whole model for random-init presets) are drawn from
+    ``seed`` so that every client builds the very same model.
+    """
+    spec = model_spec(name)
+    if num_classes < 2:
+        raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
+    if spec.pretrained and (reason := offline_reason()):
+        raise _unavailable(spec, reason)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if spec.family == "transformers":
+            return _transformers_vit(spec, num_classes)
+        return _timm_vit(spec, num_classes)
+
+
+def _unavailable(spec: ModelSpec, error: Exception | str) -> ModelUnavailableError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ModelUnavailableError(
+        f"Pretrained weights '{spec.source}' could not be loaded from the Hugging Face hub ({reason}); "
+        f"offline, use model = \"vit-tiny\" (random init, 32 px) or a '-random' ViT-B variant.")
+
+
+def _transformers_vit(spec: ModelSpec, num_classes: int) -> nn.Module:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    if spec.pretrained:
+        try:
+            return ViTForImageClassification.from_pretrained(spec.source, num_labels=num_classes)
+        except (OSError, ValueError) as error:  # hub errors surface as OSError subclasses
+            raise _unavailable(spec, error) from None
+    return ViTForImageClassification(ViTConfig(num_labels=num_classes, **dict(spec.overrides)))
+
+
+def _timm_vit(spec: ModelSpec, num_classes: int) -> nn.Module:
+    import timm
+
+    try:
+        return timm.create_model(spec.source, pretrained=spec.pretrained, num_classes=num_classes,
+                                 **dict(spec.overrides))
+    except (OSError, RuntimeError, ValueError) as error:
+        if spec.pretrained:
+            raise _unavailable(spec, error) from None
+        raise
+
+
+def logits(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
+    """Class scores of either family (transformers returns an output object, timm a tensor)."""
+    out = model(pixel_values)
+    return out.logits if hasattr(out, "logits") else out

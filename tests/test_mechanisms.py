@@ -1,0 +1,108 @@
+import pytest
+import torch
+
+from fedlora.mechanisms import (Mechanism, ThreatModel, clip_message, gaussian_mechanism, message_norm,
+                                sgmm_mechanism, sgmv_mechanism)
+from fedlora.sketch import MatrixSketch, Side, SketchKey, gaussian_matrix
+
+KEY = SketchKey(3, 1)
+
+
+def _message(scale=1.0, m=64, r=4, k=48, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"l0.lora_A": scale * torch.randn(r, k, generator=g, dtype=torch.float64),
+            "l0.lora_B": scale * torch.randn(m, r, generator=g, dtype=torch.float64),
+            "l1.lora_B": scale * torch.randn(m, r, generator=g, dtype=torch.float64)}
+
+
+def test_clipping_is_exact_on_the_whole_message():
+    message = {"a.lora_B": torch.full((1, 1), 3.0, dtype=torch.float64),
+               "b.lora_B": torch.full((1, 1), 4.0, dtype=torch.float64)}
+    assert message_norm(message) == 5.0
+    clipped = clip_message(message, 1.0)
+    # one scale for the whole message (0.2), not a per-layer clip
+    assert clipped["a.lora_B"].item() == pytest.approx(0.6, abs=1e-15)
+    assert clipped["b.lora_B"].item() == pytest.approx(0.8, abs=1e-15)
+    assert message_norm(clipped) == pytest.approx(1.0, abs=1e-12)
+    small = clip_message(message, 10.0)
+    assert all(torch.equal(small[n], message[n]) for n in message)
+
+
+def test_gaussian_noise_has_the_calibrated_std():
+    mech = gaussian_mechanism(clip_norm=0.5, noise_multiplier=2.0)
+    zero = {"w.lora_B": torch.zeros(400, 250, dtype=torch.float64)}
+    out = mech.privatize(zero, key=KEY, noise=torch.Generator().manual_seed(0))["w.lora_B"]
+    assert out.std().item() == pytest.approx(1.0, rel=0.02)  # sigma = z * tau
+    assert out.mean().abs().item() < 0.01
+
+
+def test_zero_noise_is_allowed_and_marked_not_private():
+    mech = sgmm_mechanism(sketch_dim=8, clip_norm=1.0, noise_multiplier=0.0)
+    assert not mech.private and "NOT private" in mech.describe()
+    a = mech.privatize(_message(), key=KEY)
+    b = mech.privatize(_message(), key=KEY)
+    assert all(torch.equal(a[n], b[n]) for n in a)  # nothing random but the (seeded) sketch
+    assert Mechanism().describe().endswith("NOT private (epsilon = inf)")
+    assert gaussian_mechanism(clip_norm=1.0, noise_multiplier=1.0).private
+
+
+def test_known_sketch_clips_after_sketching_and_secret_sketch_does_not():
+    # Whoever knows R can pick X along R's top singular direction: ||R X|| ~ (1 + sqrt(m / b)) ||X||.
+    m, b = 400, 4
+    r = gaussian_matrix(b, m, std=b ** -0.5, key=KEY, name="w.lora_B", side=Side.LEFT, dtype=torch.float64)
+    message = {"w.lora_B": torch.linalg.svd(r).Vh[0].reshape(m, 1)}  # norm 1 = the clip norm
+    known = sgmm_mechanism(sketch_dim=b, clip_norm=1.0, noise_multiplier=0.0)
+    secret = sgmm_mechanism(sketch_dim=b, clip_norm=1.0, noise_multiplier=0.0, threat_model="secret-sketch")
+    assert message_norm(known.privatize(message, key=KEY)) == pytest.approx(1.0, rel=1e-9)
+    inflated = message_norm(secret.privatize(message, key=KEY))
+    assert inflated > 0.8 * (1 + (m / b) ** 0.5)  # sensitivity given R far above the clip norm
+    assert known.clips_after_sketch and not secret.clips_after_sketch
+    assert not gaussian_mechanism(clip_norm=1.0, noise_multiplier=1.0).clips_after_sketch  # nothing to re-clip
+
+
+def test_privatize_then_desketch_shapes_and_unbiasedness():
+    message = _message(scale=0.01)  # below the clip norm, so the target is the message itself
+    mech = sgmm_mechanism(sketch_dim=16, clip_norm=10.0, noise_multiplier=0.0, threat_model="secret-sketch")
+    shapes = {n: t.shape for n, t in message.items()}
+    trials = 1500
+    mean = {n: torch.zeros_like(t) for n, t in message.items()}
+    for t in range(trials):
+        key = SketchKey(9, t)
+        out = mech.desketch(mech.privatize(message, key=key), key=key, shapes=shapes)
+        for n in mean:
+            mean[n] += out[n] / trials
+    for n in message:
+        assert mean[n].shape == message[n].shape
+        assert torch.linalg.norm(mean[n] - message[n]) / torch.linalg.norm(message[n]) < 0.15
+
+
+def test_noise_is_seeded_in_simulation_and_secure_by_default():
+    mech = sgmv_mechanism(sketch_dim=32, clip_norm=1.0, noise_multiplier=1.0)
+    ffa = {n: t for n, t in _message().items() if n.endswith("lora_B")}
+    a = mech.privatize(ffa, key=KEY, noise=torch.Generator().manual_seed(5))
+    b = mech.privatize(ffa, key=KEY, noise=torch.Generator().manual_seed(5))
+    assert all(torch.equal(a[n], b[n]) for n in a)
+    c, d = mech.privatize(ffa, key=KEY), mech.privatize(ffa, key=KEY)
+    assert not torch.equal(c["l0.lora_B"], d["l0.lora_B"])
+
+
+def test_threat_model_values():
+    assert sgmm_mechanism(sketch_dim=2, clip_norm=1, noise_multiplier=1).threat_model is ThreatModel.KNOWN_SKETCH
+    assert Mechanism(MatrixSketch(2), 1.0, 1.0, "secret-sketch").threat_model is ThreatModel.SECRET_SKETCH
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: gaussian_mechanism(clip_norm=0.0, noise_multiplier=1.0), "Clip norm must be positive"),
+    (lambda: gaussian_mechanism(clip_norm=1.0, noise_multiplier=-1.0), "non-negative"),
+    (lambda: Mechanism(noise_multiplier=1.0), "clip_norm"),
+    (lambda: sgmm_mechanism(sketch_dim=0, clip_norm=1.0, noise_multiplier=1.0), "at least 1"),
+    (lambda: sgmv_mechanism(sketch_dim=8, clip_norm=1.0, noise_multiplier=1.0).privatize(_message(), key=KEY),
+     "FlexLoRA"),
+    (lambda: Mechanism(MatrixSketch(2), 1.0, 1.0, "nobody-knows"), "valid ThreatModel"),
+    (lambda: sgmm_mechanism(sketch_dim=4, clip_norm=1.0, noise_multiplier=0.0).desketch(
+        {"x.lora_B": torch.zeros(4, 4)}, key=KEY, shapes={}), "No target shape"),
+])
+def test_bad_input_is_one_clear_value_error(make, match):
+    with pytest.raises(ValueError, match=match) as error:
+        make()
+    assert "\n" not in str(error.value)
