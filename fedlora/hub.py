@@ -1,37 +1,33 @@
-"""Is the Hugging Face hub reachable? Asked once before a download, so offline runs fail at once.
+"""Can the Hugging Face hub be used now? Asked once before a download, so offline runs fail at once.
 
-Without this check the hub clients retry with back-off for minutes before giving up.
+Without this check the hub clients retry with back-off (about 23 s for datasets, 100 s for model
+weights) before giving up.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from urllib.parse import urlparse
+import urllib.parse
+import urllib.request
 
+PROBE_TIMEOUT_S = 2.0
 _TRUE = {"1", "true", "yes", "on"}
 
 
-def hub_offline_requested() -> bool:
-    """The user asked the HF libraries to use their local cache only."""
+def offline_requested() -> bool:
+    """The user asked the HF libraries to use their local cache only (read now, not at import)."""
     return any(os.environ.get(v, "").lower() in _TRUE for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether a TCP connection to the hub endpoint (HF_ENDPOINT, default huggingface.co) opens in time."""
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    port = url.port or (443 if url.scheme == "https" else 80)
+def unreachable_reason(timeout: float = PROBE_TIMEOUT_S) -> str | None:
+    """Why the hub endpoint (HF_ENDPOINT, default huggingface.co) cannot be reached, or None when it may be."""
+    if urllib.request.getproxies().get("https"):
+        return None  # behind a proxy a direct connection proves nothing: let the library try
+    endpoint = urllib.parse.urlsplit(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    address = (endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80))
     try:
-        with socket.create_connection((url.hostname, port), timeout=timeout):
-            return True
+        socket.create_connection(address, timeout=timeout).close()
     except OSError:
-        return False
-
-
-def offline_reason() -> str | None:
-    """Why a hub download cannot work here, or None when it may."""
-    if hub_offline_requested():
-        return None  # the libraries will read their cache and fail fast on a miss
-    if not hub_reachable():
-        return "the hub is unreachable; set HF_HUB_OFFLINE=1 to use weights already in your HF cache"
+        return f"{endpoint.hostname} is unreachable"
     return None

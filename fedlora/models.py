@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fedlora.hub import offline_reason
+from fedlora.hub import offline_requested, unreachable_reason
 
 
 class ModelUnavailableError(ValueError):
@@ -68,8 +68,8 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
     spec = model_spec(name)
     if num_classes < 2:
         raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
-    if spec.pretrained and (reason := offline_reason()):
-        raise _unavailable(spec, reason)
+    if spec.pretrained and not offline_requested() and (reason := unreachable_reason()):
+        raise _unavailable(spec, f"{reason}; set HF_HUB_OFFLINE=1 to use weights already in your HF cache")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if spec.family == "transformers":

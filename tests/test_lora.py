@@ -103,7 +103,8 @@ def test_all_targets_adapt_every_attention_and_mlp_linear():
 
 
 def test_pretrained_weights_offline_fail_with_one_clear_sentence(monkeypatch):
-    monkeypatch.setattr("fedlora.models.offline_reason", lambda: "the hub is unreachable")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr("fedlora.models.unreachable_reason", lambda: "huggingface.co is unreachable")
     with pytest.raises(ModelUnavailableError, match='use model = "vit-tiny"') as error:
         build_backbone("vit-b16", num_classes=100)
     assert "\n" not in str(error.value)

@@ -1,0 +1,306 @@
+"""CIFAR-100 from the Hugging Face hub, synthetic CIFAR-like data in its schema, partitioners, transforms.
+
+Every dataset here has CIFAR-100's hub schema (``uoft-cs/cifar100``): an ``img`` column of RGB images
+(32x32), a ``fine_label`` ClassLabel (100 classes) and a ``coarse_label`` ClassLabel (20). Code downstream
+therefore cannot tell real from synthetic data, and tests and offline runs use the latter.
+
+Clients get their data from flwr-datasets partitioners over an in-memory ``datasets.Dataset``
+(``make_partitioner``, then ``load_partition``), and feed a model through ``to_torch`` and ``collate``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator, Sequence
+
+import datasets
+import numpy as np
+import torch
+from flwr_datasets.partitioner import (
+    DirichletPartitioner,
+    IidPartitioner,
+    Partitioner,
+    PathologicalPartitioner,
+)
+from torchvision.transforms import v2
+
+from fedlora.hub import offline_requested, unreachable_reason
+
+CIFAR100_HUB_ID = "uoft-cs/cifar100"
+IMAGE_COLUMN = "img"
+LABEL_COLUMN = "fine_label"
+COARSE_LABEL_COLUMN = "coarse_label"
+IMAGE_SIZE = 32
+
+# Class names exactly as on the hub, including its "cra" (sic, for crab) at index 26.
+FINE_LABEL_NAMES = (
+    "apple", "aquarium_fish", "baby", "bear", "beaver", "bed", "bee", "beetle", "bicycle", "bottle",
+    "bowl", "boy", "bridge", "bus", "butterfly", "camel", "can", "castle", "caterpillar", "cattle",
+    "chair", "chimpanzee", "clock", "cloud", "cockroach", "couch", "cra", "crocodile", "cup",
+    "dinosaur", "dolphin", "elephant", "flatfish", "forest", "fox", "girl", "hamster", "house",
+    "kangaroo", "keyboard", "lamp", "lawn_mower", "leopard", "lion", "lizard", "lobster", "man",
+    "maple_tree", "motorcycle", "mountain", "mouse", "mushroom", "oak_tree", "orange", "orchid",
+    "otter", "palm_tree", "pear", "pickup_truck", "pine_tree", "plain", "plate", "poppy",
+    "porcupine", "possum", "rabbit", "raccoon", "ray", "road", "rocket", "rose", "sea", "seal",
+    "shark", "shrew", "skunk", "skyscraper", "snail", "snake", "spider", "squirrel", "streetcar",
+    "sunflower", "sweet_pepper", "table", "tank", "telephone", "television", "tiger", "tractor",
+    "train", "trout", "tulip", "turtle", "wardrobe", "whale", "willow_tree", "wolf", "woman",
+    "worm",
+)
+COARSE_LABEL_NAMES = (
+    "aquatic_mammals", "fish", "flowers", "food_containers", "fruit_and_vegetables",
+    "household_electrical_devices", "household_furniture", "insects", "large_carnivores",
+    "large_man-made_outdoor_things", "large_natural_outdoor_scenes",
+    "large_omnivores_and_herbivores", "medium_mammals", "non-insect_invertebrates", "people",
+    "reptiles", "small_mammals", "trees", "vehicles_1", "vehicles_2",
+)
+CIFAR100_FEATURES = datasets.Features({
+    IMAGE_COLUMN: datasets.Image(),
+    LABEL_COLUMN: datasets.ClassLabel(names=list(FINE_LABEL_NAMES)),
+    COARSE_LABEL_COLUMN: datasets.ClassLabel(names=list(COARSE_LABEL_NAMES)),
+})
+
+# Per-channel statistics of the CIFAR-100 train split, for models trained on 32 px images, and the
+# normalization google/vit-base-patch16-224 was pretrained with, for images upsampled to its size.
+CIFAR100_MEAN = (0.5071, 0.4865, 0.4409)
+CIFAR100_STD = (0.2673, 0.2564, 0.2762)
+VIT_MEAN = (0.5, 0.5, 0.5)
+VIT_STD = (0.5, 0.5, 0.5)
+
+SYNTHETIC_SPLITS = ("train", "test")
+PARTITIONER_KINDS = ("iid", "dirichlet", "pathological")
+
+# flwr-datasets redraws the whole Dirichlet split while any partition is smaller than this and raises
+# a ValueError after 11 draws, so it always terminates. 1 keeps every client non-empty; the default
+# (10) makes small datasets retry, warn and often fail.
+DIRICHLET_MIN_PARTITION_SIZE = 1
+
+# Synthetic images: a class prototype (a base colour plus a few low-frequency waves per channel),
+# shifted by up to image_size // 8 pixels, maybe mirrored, tinted and noised per example. These
+# values keep a nearest-class-mean classifier on raw pixels at about 88% for 10 classes and 77% for
+# 100: learnable, yet not solved by the colour alone.
+_WAVES_PER_CHANNEL = 3
+_MAX_WAVE_FREQUENCY = 2  # cycles per image, whole so that shifted prototypes wrap around seamlessly
+_TINT_STD = 24.0
+_PIXEL_NOISE_STD = 32.0
+_CHUNK = 1024  # examples generated at a time, to bound float memory at large image sizes
+
+
+class DatasetUnavailableError(ValueError):
+    """A dataset can be neither downloaded nor found in the local cache."""
+
+
+def load_cifar100(split: str, *, cache_dir: str | os.PathLike[str] | None = None) -> datasets.Dataset:
+    """One split of CIFAR-100 ("train" or "test") from the Hugging Face hub or the local HF cache.
+
+    Raises DatasetUnavailableError within a few seconds when the hub is unreachable or offline mode
+    is on and no cached copy exists.
+    """
+    offline_reason = _hub_offline_reason()
+    try:
+        with _datasets_offline() if offline_reason else contextlib.nullcontext():
+            return datasets.load_dataset(CIFAR100_HUB_ID, split=split, cache_dir=cache_dir)
+    except OSError as err:  # ConnectionError, and DatasetNotFoundError (a FileNotFoundError)
+        reason = f"{offline_reason} and no cached copy was found" if offline_reason else _first_line(err)
+        raise DatasetUnavailableError(
+            f"CIFAR-100 could not be loaded from the Hugging Face hub ({CIFAR100_HUB_ID}): {reason}; "
+            'offline, use the synthetic dataset (dataset = "synthetic").'
+        ) from err
+
+
+def _hub_offline_reason() -> str | None:
+    """Why the hub cannot be used now, or None when it may be."""
+    if offline_requested() or datasets.config.HF_HUB_OFFLINE:
+        return "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
+    return unreachable_reason()
+
+
+@contextlib.contextmanager
+def _datasets_offline() -> Iterator[None]:
+    """Offline mode for datasets during one call, so that it goes straight to the local cache."""
+    # datasets has no per-call switch, but reads this attribute on every hub access (so: not thread-safe).
+    previous = datasets.config.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE = previous
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0].rstrip(".") if lines else type(err).__name__
+
+
+def make_synthetic_cifar(num_examples: int, *, num_classes: int = 100, image_size: int = IMAGE_SIZE,
+                         seed: int = 0, split: str = "train") -> datasets.Dataset:
+    """A deterministic CIFAR-like dataset in CIFAR-100's schema, with labels balanced across classes.
+
+    Each class has a fixed smooth colour pattern; an example is its class's pattern, randomly shifted,
+    mirrored, tinted and noised. The patterns depend on (seed, num_classes, image_size) only, and the
+    examples of each split on a stream of their own, so a model fit on "train" generalizes to "test".
+    With 100 classes the features equal CIFAR100_FEATURES; the coarse label is fine_label % 20.
+    """
+    if split not in SYNTHETIC_SPLITS:
+        raise ValueError(f"Unknown split {split!r}; expected one of {', '.join(SYNTHETIC_SPLITS)}.")
+    for name, value in (("Number of examples", num_examples), ("Number of classes", num_classes),
+                        ("Image size", image_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}.")
+    pattern_seed, *split_seeds = np.random.SeedSequence(seed).spawn(1 + len(SYNTHETIC_SPLITS))
+    prototypes = _prototypes(num_classes, image_size, np.random.default_rng(pattern_seed))
+    rng = np.random.default_rng(split_seeds[SYNTHETIC_SPLITS.index(split)])
+
+    # Round-robin labels, shuffled: class sizes differ by at most one.
+    labels = rng.permutation(np.arange(num_examples) % num_classes)
+    images = np.empty((num_examples, image_size, image_size, 3), dtype=np.uint8)
+    for start in range(0, num_examples, _CHUNK):
+        images[start:start + _CHUNK] = _jittered(prototypes, labels[start:start + _CHUNK], rng)
+
+    fine = (datasets.ClassLabel(names=list(FINE_LABEL_NAMES)) if num_classes == len(FINE_LABEL_NAMES)
+            else datasets.ClassLabel(num_classes=num_classes))
+    features = datasets.Features({**CIFAR100_FEATURES, LABEL_COLUMN: fine})
+    # Arrays go in as they are: datasets encodes them to PNG, as the hub stores CIFAR-100.
+    return datasets.Dataset.from_dict(
+        {IMAGE_COLUMN: list(images), LABEL_COLUMN: labels,
+         COARSE_LABEL_COLUMN: labels % len(COARSE_LABEL_NAMES)},
+        features=features,
+    )
+
+
+def synthetic_splits(num_train: int, num_test: int, *, num_classes: int = 100, image_size: int = IMAGE_SIZE,
+                     seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """The train and test splits of make_synthetic_cifar for one seed: same classes, different examples."""
+    options = {"num_classes": num_classes, "image_size": image_size, "seed": seed}
+    return (make_synthetic_cifar(num_train, split="train", **options),
+            make_synthetic_cifar(num_test, split="test", **options))
+
+
+def _prototypes(num_classes: int, image_size: int, rng: np.random.Generator) -> np.ndarray:
+    """float32 (num_classes, image_size, image_size, 3): a base colour plus a few 2-D waves per channel."""
+    shape = (num_classes, _WAVES_PER_CHANNEL, 1, 1, 3)  # axes: class, wave, y, x, channel
+    base = rng.uniform(64, 192, size=(num_classes, 1, 1, 3))
+    freq_y, freq_x = rng.integers(-_MAX_WAVE_FREQUENCY, _MAX_WAVE_FREQUENCY + 1, size=(2, *shape))
+    amplitude = rng.uniform(24, 48, size=shape)
+    phase = rng.uniform(0, 2 * np.pi, size=shape)
+    grid = np.arange(image_size) / image_size
+    angle = 2 * np.pi * (freq_y * grid[:, None, None] + freq_x * grid[None, :, None]) + phase
+    return (base + (amplitude * np.sin(angle)).sum(axis=1)).astype(np.float32)
+
+
+def _jittered(prototypes: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """uint8 images: each label's prototype shifted (wrapping around), maybe mirrored, tinted, noised."""
+    n, size = len(labels), prototypes.shape[1]
+    max_shift = size // 8
+    shift_y, shift_x = rng.integers(-max_shift, max_shift + 1, size=(2, n, 1))
+    mirrored = rng.random((n, 1)) < 0.5
+    pixels = np.arange(size)
+    rows = (pixels + shift_y) % size
+    cols = (np.where(mirrored, pixels[::-1], pixels) + shift_x) % size
+    images = prototypes[labels[:, None, None], rows[:, :, None], cols[:, None, :]]
+    images += rng.normal(0, _TINT_STD, size=(n, 1, 1, 3)).astype(np.float32)
+    images += rng.standard_normal(images.shape, dtype=np.float32) * _PIXEL_NOISE_STD
+    return np.clip(np.rint(images), 0, 255).astype(np.uint8)
+
+
+def make_partitioner(kind: str, *, num_partitions: int, dataset: datasets.Dataset, alpha: float = 0.5,
+                     classes_per_partition: int = 2, seed: int = 0,
+                     label_column: str = LABEL_COLUMN) -> Partitioner:
+    """A flwr-datasets partitioner over ``dataset``, ready for ``load_partition``.
+
+    kind: "iid" (equal random shares), "dirichlet" (each label spread over partitions by a
+    Dirichlet(alpha) draw: small alpha, strong skew) or "pathological" (each partition holds
+    ``classes_per_partition`` labels; with fewer partitions than labels, rows of labels that no
+    partition drew are left out). The same arguments always give the same partitions.
+    """
+    if kind not in PARTITIONER_KINDS:
+        raise ValueError(f"Unknown partitioner {kind!r}; expected one of {', '.join(PARTITIONER_KINDS)}.")
+    if num_partitions < 1:
+        raise ValueError(f"Number of partitions must be at least 1, got {num_partitions}.")
+    if num_partitions > len(dataset):
+        raise ValueError(f"Cannot split {len(dataset)} examples into {num_partitions} partitions.")
+    if kind != "iid" and label_column not in dataset.column_names:
+        raise ValueError(f"Dataset has no column {label_column!r}; its columns are {dataset.column_names}.")
+    if kind == "dirichlet" and not alpha > 0:
+        raise ValueError(f"Dirichlet alpha must be positive, got {alpha}.")
+    if kind == "pathological":
+        num_classes = len(dataset.unique(label_column))
+        if not 1 <= classes_per_partition <= num_classes:
+            raise ValueError(f"Classes per partition must be between 1 and the dataset's {num_classes} "
+                             f"classes, got {classes_per_partition}.")
+
+    if kind == "iid":
+        partitioner = IidPartitioner(num_partitions=num_partitions)
+    elif kind == "dirichlet":
+        partitioner = DirichletPartitioner(
+            num_partitions=num_partitions, partition_by=label_column, alpha=float(alpha),
+            min_partition_size=DIRICHLET_MIN_PARTITION_SIZE, seed=seed)
+    else:
+        # "first-deterministic" gives partition i label i % num_classes first, so that no label is
+        # left out when there are at least as many partitions as labels; the others are drawn at random.
+        partitioner = PathologicalPartitioner(
+            num_partitions=num_partitions, partition_by=label_column,
+            num_classes_per_partition=classes_per_partition, class_assignment_mode="first-deterministic",
+            seed=seed)
+    # Shuffled first, as FederatedDataset does: IidPartitioner takes contiguous shards, and the others
+    # split each label's rows in stored order, so partitions must not depend on that order.
+    partitioner.dataset = dataset.shuffle(seed=seed, keep_in_memory=True)
+    if kind == "dirichlet":
+        try:
+            partitioner.load_partition(0)  # draws every partition now, so that a failure surfaces here
+        except ValueError as err:
+            raise ValueError(f"Dirichlet partitioning with alpha {alpha} cannot give each of the "
+                             f"{num_partitions} partitions {DIRICHLET_MIN_PARTITION_SIZE} or more examples; "
+                             "raise alpha or use fewer partitions.") from err
+    return partitioner
+
+
+def load_partition(partitioner: Partitioner, partition_id: int) -> datasets.Dataset:
+    """Partition ``partition_id`` of ``partitioner``, with a clear error for an id out of range."""
+    if not 0 <= partition_id < partitioner.num_partitions:
+        raise ValueError(f"Partition id {partition_id} is out of range for {partitioner.num_partitions} "
+                         "partitions.")
+    return partitioner.load_partition(partition_id)
+
+
+def image_transform(image_size: int, *, train: bool, mean: Sequence[float] | None = None,
+                    std: Sequence[float] | None = None) -> v2.Compose:
+    """PIL image -> normalized float32 tensor (3, image_size, image_size).
+
+    mean and std default to CIFAR100_MEAN/STD at 32 px (models trained on CIFAR itself) and to
+    VIT_MEAN/STD otherwise (pretrained ViTs fed upsampled images). ``train`` adds random mirroring.
+    """
+    native = image_size == IMAGE_SIZE
+    mean = list(mean if mean is not None else CIFAR100_MEAN if native else VIT_MEAN)
+    std = list(std if std is not None else CIFAR100_STD if native else VIT_STD)
+    # Resize returns images already at the target size untouched.
+    steps: list[v2.Transform] = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
+    if train:
+        steps.append(v2.RandomHorizontalFlip())
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean=mean, std=std)]
+    return v2.Compose(steps)
+
+
+def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,
+             mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+             label_column: str = LABEL_COLUMN) -> datasets.Dataset:
+    """``dataset`` yielding {"pixel_values": float32 (3, S, S), "labels": int64}, transformed on access."""
+    transform = image_transform(image_size, train=train, mean=mean, std=std)
+    # A partial of a module-level function, unlike a closure, pickles into DataLoader workers and Ray.
+    return dataset.with_transform(
+        functools.partial(_to_tensors, transform=transform, label_column=label_column))
+
+
+def _to_tensors(batch: dict[str, list], *, transform: v2.Compose,
+                label_column: str) -> dict[str, torch.Tensor]:
+    return {
+        "pixel_values": torch.stack([transform(image) for image in batch[IMAGE_COLUMN]]),
+        "labels": torch.as_tensor(batch[label_column], dtype=torch.int64),
+    }
+
+
+def collate(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """DataLoader collate_fn for ``to_torch`` datasets: {"pixel_values": (B, 3, S, S), "labels": (B,)}."""
+    return {key: torch.stack([example[key] for example in batch]) for key in ("pixel_values", "labels")}

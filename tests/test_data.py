@@ -1,0 +1,290 @@
+"""Tests for fedlora.data: synthetic CIFAR, partitioners, transforms, and offline CIFAR-100 loading."""
+
+import glob
+import json
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from datasets.packaged_modules.parquet.parquet import Parquet
+from PIL import Image
+
+from fedlora.data import (
+    CIFAR100_FEATURES,
+    CIFAR100_HUB_ID,
+    COARSE_LABEL_COLUMN,
+    IMAGE_COLUMN,
+    LABEL_COLUMN,
+    DatasetUnavailableError,
+    collate,
+    image_transform,
+    load_cifar100,
+    load_partition,
+    make_partitioner,
+    make_synthetic_cifar,
+    synthetic_splits,
+    to_torch,
+)
+
+NUM_CLASSES = 10
+NUM_PARTITIONS = 10
+
+
+def assert_one_sentence(message: str) -> None:
+    assert "\n" not in message, message
+    assert message.endswith("."), message
+    assert ". " not in message, message
+
+
+def pixels(dataset: datasets.Dataset) -> np.ndarray:
+    """float32 (N, H * W * 3) of a dataset's images."""
+    images = np.stack([np.asarray(image) for image in dataset[IMAGE_COLUMN]])
+    return images.reshape(len(dataset), -1).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def splits() -> tuple[datasets.Dataset, datasets.Dataset]:
+    return synthetic_splits(1000, 500, num_classes=NUM_CLASSES, seed=0)
+
+
+@pytest.fixture(scope="module")
+def indexed(splits) -> datasets.Dataset:
+    """The train split with a "row" column, to tell which rows each partition holds."""
+    train, _ = splits
+    return train.add_column("row", list(range(len(train))))
+
+
+def partition_rows(partitioner) -> list[list[int]]:
+    return [load_partition(partitioner, i)["row"] for i in range(partitioner.num_partitions)]
+
+
+def partition_labels(partitioner) -> list[list[int]]:
+    return [load_partition(partitioner, i)[LABEL_COLUMN] for i in range(partitioner.num_partitions)]
+
+
+def assert_exact_cover(rows: list[list[int]], num_rows: int) -> None:
+    flat = [r for part in rows for r in part]
+    assert len(flat) == len(set(flat)) == num_rows  # no row twice, and every row once
+    assert set(flat) == set(range(num_rows))
+
+
+def mean_top_label_fraction(labels: list[list[int]]) -> float:
+    return float(np.mean([Counter(part).most_common(1)[0][1] / len(part) for part in labels]))
+
+
+# Synthetic data.
+
+def test_synthetic_has_cifar100_schema():
+    dataset = make_synthetic_cifar(200, seed=0)
+    assert dataset.column_names == [IMAGE_COLUMN, LABEL_COLUMN, COARSE_LABEL_COLUMN]
+    assert dataset.features == CIFAR100_FEATURES
+    example = dataset[0]
+    assert isinstance(example[IMAGE_COLUMN], Image.Image)
+    assert example[IMAGE_COLUMN].size == (32, 32)
+    assert example[IMAGE_COLUMN].mode == "RGB"
+    assert example[COARSE_LABEL_COLUMN] == example[LABEL_COLUMN] % 20
+
+
+def test_synthetic_with_fewer_classes_keeps_column_types(splits):
+    train, test = splits
+    for dataset in splits:
+        assert dataset.column_names == list(CIFAR100_FEATURES)
+        assert isinstance(dataset.features[IMAGE_COLUMN], datasets.Image)
+        assert dataset.features[LABEL_COLUMN].num_classes == NUM_CLASSES
+        assert dataset.features[COARSE_LABEL_COLUMN] == CIFAR100_FEATURES[COARSE_LABEL_COLUMN]
+    assert (len(train), len(test)) == (1000, 500)
+    assert set(Counter(train[LABEL_COLUMN]).values()) == {100}  # balanced
+
+
+def test_synthetic_is_deterministic_per_seed():
+    first, again, other = (make_synthetic_cifar(50, num_classes=5, seed=seed) for seed in (7, 7, 8))
+    assert np.array_equal(pixels(first), pixels(again))
+    assert first[LABEL_COLUMN] == again[LABEL_COLUMN]
+    assert not np.array_equal(pixels(first), pixels(other))
+    test = make_synthetic_cifar(50, num_classes=5, seed=7, split="test")
+    assert not np.array_equal(pixels(first), pixels(test))
+
+
+def test_synthetic_classes_are_learnable_and_shared_across_splits(splits):
+    """A nearest-class-mean classifier on raw pixels, fit on train, scores far above chance on test."""
+    train, test = splits
+    train_x, train_y = pixels(train), np.array(train[LABEL_COLUMN])
+    test_x, test_y = pixels(test), np.array(test[LABEL_COLUMN])
+    means = np.stack([train_x[train_y == c].mean(axis=0) for c in range(NUM_CLASSES)])
+    predicted = ((test_x[:, None, :] - means[None]) ** 2).sum(axis=-1).argmin(axis=1)
+    assert (predicted == test_y).mean() > 0.5  # chance: 0.1
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"num_examples": 0}, {"num_examples": 10, "num_classes": 0}, {"num_examples": 10, "image_size": 0},
+    {"num_examples": 10, "split": "validation"},
+])
+def test_synthetic_rejects_bad_arguments(kwargs):
+    with pytest.raises(ValueError) as info:
+        make_synthetic_cifar(**kwargs)
+    assert_one_sentence(str(info.value))
+
+
+# Partitioners.
+
+def test_iid_partitions_cover_every_row_once_in_balanced_sizes(indexed):
+    rows = partition_rows(make_partitioner("iid", num_partitions=7, dataset=indexed, seed=0))
+    assert_exact_cover(rows, len(indexed))
+    sizes = [len(part) for part in rows]
+    assert max(sizes) - min(sizes) <= 1
+    assert rows == partition_rows(make_partitioner("iid", num_partitions=7, dataset=indexed, seed=0))
+    assert rows != partition_rows(make_partitioner("iid", num_partitions=7, dataset=indexed, seed=1))
+
+
+def test_dirichlet_skew_follows_alpha(indexed):
+    def partitioner(alpha, seed=0):
+        return make_partitioner("dirichlet", num_partitions=NUM_PARTITIONS, dataset=indexed, alpha=alpha,
+                                seed=seed)
+
+    iid = mean_top_label_fraction(
+        partition_labels(make_partitioner("iid", num_partitions=NUM_PARTITIONS, dataset=indexed)))
+    skewed = mean_top_label_fraction(partition_labels(partitioner(0.1)))
+    flat = mean_top_label_fraction(partition_labels(partitioner(1000.0)))
+    assert skewed > 2 * iid
+    assert flat < 1.5 / NUM_CLASSES  # near-even labels, like IID's (a huge alpha even stratifies them)
+    for alpha in (0.1, 1000.0):
+        rows = partition_rows(partitioner(alpha))
+        assert_exact_cover(rows, len(indexed))
+        assert min(len(part) for part in rows) >= 1
+    assert partition_rows(partitioner(0.1)) == partition_rows(partitioner(0.1))
+    assert partition_rows(partitioner(0.1)) != partition_rows(partitioner(0.1, seed=1))
+
+
+def test_pathological_partitions_hold_at_most_their_classes(indexed):
+    partitioner = make_partitioner("pathological", num_partitions=NUM_PARTITIONS, dataset=indexed,
+                                   classes_per_partition=2, seed=0)
+    for labels in partition_labels(partitioner):
+        assert 1 <= len(set(labels)) <= 2
+    # As many partitions as labels: "first-deterministic" leaves no label, hence no row, out.
+    assert_exact_cover(partition_rows(partitioner), len(indexed))
+
+
+@pytest.mark.parametrize(("kind", "kwargs"), [
+    ("shards", {}),
+    ("iid", {"num_partitions": 0}),
+    ("iid", {"num_partitions": 1001}),
+    ("dirichlet", {"alpha": 0.0}),
+    ("dirichlet", {"alpha": -1.0}),
+    ("dirichlet", {"label_column": "label"}),
+    ("pathological", {"classes_per_partition": 0}),
+    ("pathological", {"classes_per_partition": NUM_CLASSES + 1}),
+])
+def test_make_partitioner_rejects_bad_arguments(indexed, kind, kwargs):
+    with pytest.raises(ValueError) as info:
+        make_partitioner(kind, dataset=indexed, **{"num_partitions": NUM_PARTITIONS, **kwargs})
+    assert_one_sentence(str(info.value))
+
+
+@pytest.mark.filterwarnings("ignore:The specified min_partition_size")
+def test_dirichlet_that_cannot_fill_every_partition_fails_at_once(indexed):
+    with pytest.raises(ValueError) as info:
+        make_partitioner("dirichlet", num_partitions=100, dataset=indexed, alpha=0.01)
+    assert_one_sentence(str(info.value))
+
+
+def test_make_partitioner_error_messages_name_the_problem(indexed):
+    with pytest.raises(ValueError, match="iid, dirichlet, pathological"):
+        make_partitioner("shards", num_partitions=2, dataset=indexed)
+    with pytest.raises(ValueError, match=r"^Cannot split 1000 examples into 1001 partitions\.$"):
+        make_partitioner("iid", num_partitions=1001, dataset=indexed)
+
+
+def test_load_partition_rejects_ids_out_of_range(indexed):
+    partitioner = make_partitioner("iid", num_partitions=3, dataset=indexed)
+    for partition_id in (-1, 3):
+        with pytest.raises(ValueError) as info:
+            load_partition(partitioner, partition_id)
+        assert_one_sentence(str(info.value))
+
+
+# Transforms.
+
+@pytest.mark.parametrize("image_size", [32, 224])
+def test_to_torch_yields_float_images_and_int64_labels(splits, image_size):
+    train, _ = splits
+    example = to_torch(train, image_size, train=True)[0]
+    assert example["pixel_values"].shape == (3, image_size, image_size)
+    assert example["pixel_values"].dtype == torch.float32
+    assert example["labels"].dtype == torch.int64
+    assert int(example["labels"]) == train[0][LABEL_COLUMN]
+
+
+def test_collate_batches_through_a_dataloader(splits):
+    train, _ = splits
+    loader = torch.utils.data.DataLoader(to_torch(train, 224), batch_size=4, collate_fn=collate)
+    batch = next(iter(loader))
+    assert batch["pixel_values"].shape == (4, 3, 224, 224)
+    assert batch["pixel_values"].dtype == torch.float32
+    assert batch["labels"].shape == (4,)
+    assert batch["labels"].dtype == torch.int64
+    assert batch["labels"].tolist() == train[:4][LABEL_COLUMN]
+
+
+def test_image_transform_honours_mean_and_std():
+    image = Image.fromarray(np.full((32, 32, 3), 255, dtype=np.uint8))
+    identity = image_transform(32, train=False, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))
+    assert torch.equal(identity(image), torch.ones(3, 32, 32))
+    vit = image_transform(224, train=False)  # default at 224 px: mean 0.5, std 0.5
+    assert torch.allclose(vit(image), torch.ones(3, 224, 224))
+
+
+# CIFAR-100 from the hub, offline.
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+
+
+def test_load_cifar100_offline_fails_fast_naming_synthetic(offline, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(DatasetUnavailableError) as info:
+        load_cifar100("train", cache_dir=tmp_path)
+    assert time.monotonic() - start < 5
+    assert isinstance(info.value, ValueError)
+    assert "synthetic" in str(info.value)
+    assert CIFAR100_HUB_ID in str(info.value)
+    assert_one_sentence(str(info.value))
+
+
+def test_load_cifar100_fails_fast_when_the_hub_is_unreachable(monkeypatch, tmp_path):
+    for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "https_proxy", "HTTPS_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+
+    def unreachable(address, timeout):
+        raise OSError("no route to host")
+
+    monkeypatch.setattr("fedlora.hub.socket.create_connection", unreachable)
+    start = time.monotonic()
+    with pytest.raises(DatasetUnavailableError, match=r"unreachable.*synthetic"):
+        load_cifar100("test", cache_dir=tmp_path)
+    assert time.monotonic() - start < 5
+    assert datasets.config.HF_HUB_OFFLINE is False  # offline mode was for that one call only
+
+
+def test_load_cifar100_offline_uses_a_cached_copy(offline, tmp_path):
+    """A copy laid out as datasets caches a hub download (namespace___name/config/version/commit)."""
+    cached = make_synthetic_cifar(20, seed=1)
+    cached.to_parquet(tmp_path / "train.parquet")
+    Parquet(cache_dir=str(tmp_path / "build"), dataset_name="cifar100", repo_id=CIFAR100_HUB_ID,
+            config_name="cifar100", data_files={"train": [str(tmp_path / "train.parquet")]},
+            features=cached.features).download_and_prepare()
+    (built,) = glob.glob(str(tmp_path / "build" / "uoft-cs___cifar100" / "*" / "0.0.0"))
+    target = tmp_path / "cache" / "uoft-cs___cifar100" / "cifar100" / "0.0.0" / "0123abcd"
+    shutil.copytree(built, target)
+    assert json.loads(Path(target, "dataset_info.json").read_text())["config_name"] == "cifar100"
+
+    loaded = load_cifar100("train", cache_dir=tmp_path / "cache")
+    assert loaded.features == CIFAR100_FEATURES
+    assert loaded[LABEL_COLUMN] == cached[LABEL_COLUMN]
