@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from fedlora.lora import TARGETS, LoRAMode, build_lora_model, get_adapters
-from fedlora.models import MODELS, model_spec
+from fedlora.algorithms import ALGORITHMS, LoRAMode, get_algorithm
+from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
 _BYTES = 4
@@ -32,8 +32,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _float_arg(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+
+
 def describe(args: argparse.Namespace) -> dict:
     """What one client uploads per round under each mechanism, and what its sketch costs, for a real model."""
+    from fedlora.lora import build_lora_model, get_adapters  # PEFT: imported only where needed
+
     spec = model_spec(args.model)
     if (spec.family, args.targets) not in TARGETS:
         raise CLIError(f"Unknown LoRA targets '{args.targets}'; choose 'qv' or 'all'.")
@@ -78,6 +87,109 @@ def _print_describe(report: dict) -> None:
         print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB{row['sketch_multiply_adds']:>24,}")
 
 
+def _validate_privacy(args: argparse.Namespace) -> None:
+    """Every check before any computation; each failure is one sentence."""
+    if args.strategy == "sgmv-flexlora":
+        raise CLIError("SGMV cannot be used with FlexLoRA (paper Remark 3.2): use sgmm-flexlora or sgmv-ffa-lora.")
+    algorithm = get_algorithm(args.strategy)
+    if args.target_epsilon is not None and not args.target_epsilon > 0:
+        raise CLIError(f"Target epsilon must be positive, got {args.target_epsilon:g}.")
+    if args.noise_multiplier is not None and not args.noise_multiplier >= 0:
+        raise CLIError(f"Noise multiplier must be non-negative, got {args.noise_multiplier:g}.")
+    if not 0 < args.delta < 1:
+        raise CLIError(f"Delta must lie in (0, 1), got {args.delta:g}.")
+    if args.clients_per_round > args.num_clients:
+        raise CLIError(f"Clients per round ({args.clients_per_round}) cannot exceed the number of clients "
+                       f"({args.num_clients}).")
+    if args.sampling_rate is not None:
+        if args.sampling != "poisson":
+            raise CLIError("--sampling-rate goes with --sampling poisson; fixed sampling takes --clients-per-round.")
+        if not 0 < args.sampling_rate <= 1:
+            raise CLIError(f"Sampling rate must lie in (0, 1], got {args.sampling_rate:g}.")
+    if algorithm.sketched:
+        if args.sketch_dim is None:
+            args.sketch_dim = 150 if algorithm.mechanism == "sgmm" else 150 * args.rank
+        shapes = adapted_layer_shapes(args.model).values()
+        for m, k in shapes:
+            if args.rank > min(m, k):
+                raise CLIError(f"Rank {args.rank} exceeds the smaller side ({min(m, k)}) of an adapted layer.")
+        # SGMM sketches B (m x r) from the left, and FlexLoRA's A (r x k) from the right; SGMV sketches vec(B).
+        limit = min(m * args.rank if algorithm.mechanism == "sgmv" else
+                    (min(m, k) if algorithm.family is LoRAMode.FLEX else m) for m, k in shapes)
+        if not 1 <= args.sketch_dim <= limit:
+            raise CLIError(f"Sketch dimension {args.sketch_dim} must lie in [1, {limit}] for {args.strategy} "
+                           f"on {args.model}.")
+        if args.threat_model == "secret-sketch" and args.sampling == "poisson":
+            raise CLIError("Secret-sketch accounting supports fixed-size sampling only (the shared-sketch bound "
+                           "needs the number of clients per round): use --sampling fixed.")
+
+
+def privacy(args: argparse.Namespace) -> dict:
+    from fedlora.privacy import Phase, SamplingScheme, calibrate, epsilon
+    from fedlora.privacy.paper import round_release
+
+    analysis = args.threat_model
+    clients = args.clients_per_round
+    if args.sampling == "fixed":
+        sampling = SamplingScheme("fixed", args.num_clients, clients_per_round=clients)
+    else:
+        sampling = SamplingScheme("poisson", args.num_clients, rate=args.sampling_rate or clients / args.num_clients)
+
+    def phases(z: float):
+        release = round_release(args.strategy, z, analysis, rank=args.rank, sketch_dim=args.sketch_dim,
+                                clients_per_round=clients)
+        return [Phase("lora", release, sampling, args.rounds)]
+
+    if args.target_epsilon is not None:
+        calibration = calibrate(phases, target_epsilon=args.target_epsilon, delta=args.delta, threat_model=analysis)
+        z, report = calibration.noise_multiplier, calibration.report
+    else:
+        z = args.noise_multiplier
+        report = epsilon(phases(z), delta=args.delta, threat_model=analysis)
+    return {"strategy": args.strategy, "epsilon": report.epsilon, "delta": args.delta, "noise_multiplier": z,
+            "target_epsilon": args.target_epsilon, "threat_model": analysis, "sampling": args.sampling,
+            "sampling_rate": sampling.q, "num_clients": args.num_clients,
+            "clients_per_round": clients if args.sampling == "fixed" else None, "rounds": args.rounds,
+            "rank": args.rank, "sketch_dim": args.sketch_dim, "method": report.method, "rdp_order": report.order,
+            "summary": report.describe()}
+
+
+def _print_privacy(result: dict) -> None:
+    sampled = (f"{result['clients_per_round']} of {result['num_clients']} clients per round"
+               if result["sampling"] == "fixed" else f"each of {result['num_clients']} clients with rate "
+                                                     f"{result['sampling_rate']:.4g}")
+    sketch = f", sketch dimension {result['sketch_dim']}" if result["sketch_dim"] else ""
+    print(f"{result['strategy']}: {result['rounds']} rounds, {sampled} ({result['sampling']} sampling), "
+          f"rank {result['rank']}{sketch}")
+    how = (f"calibrated for target epsilon {result['target_epsilon']:g}" if result["target_epsilon"] is not None
+           else "given")
+    print(f"noise multiplier z = {result['noise_multiplier']:.4g} ({how})")
+    print(result["summary"])
+
+
+def _print_paper_table(rows) -> None:
+    from fedlora.privacy import paper
+
+    print(f"The paper's setting: C = {paper.NUM_CLIENTS}, N = {paper.CLIENTS_PER_ROUND} per round (fixed-size, "
+          f"replace-one), T = {paper.ROUNDS}, delta = {paper.DELTA:g}, r = {paper.RANK}, "
+          f"b = {paper.SKETCH_DIMS['sgmm']}, h = {paper.SKETCH_DIMS['sgmv']}; target epsilon {paper.TARGET_EPSILON}.")
+    print()
+    print("| strategy | paper z | z, known-sketch | z, secret-sketch | z, paper's per-message analysis "
+          "| eps at paper z, known-sketch | eps at paper z, secret-sketch | eps at paper z, per-message analysis |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        z = [f"{row.calibrated[a]:.3f}" for a in paper.ANALYSES]
+        e = [f"{row.epsilon_at_paper_noise[a]:.3f}" for a in paper.ANALYSES]
+        print(f"| {row.strategy} | {row.paper_noise_multiplier:.2f} | {' | '.join(z)} | {' | '.join(e)} |")
+    print()
+    print("known-sketch (default, sound): the adversary knows R; post-sketch clipping makes each release a Gaussian "
+          "mechanism, accounted with dp-accounting (replace-one: sensitivity 2 tau).")
+    print("secret-sketch: R hidden from every observer; our bound on the JOINT release of the N clients that share R "
+          "(fedlora/privacy/shared_sketch_bound.md), amplified by sampling without replacement (WBK19 Thm 9).")
+    print("per-message analysis: the paper's Lemma 2.7 per client, amplified the same way. It ignores the shared "
+          "sketch and is shown only to explain the paper's numbers: never use it as a privacy claim.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedlora", description="Differentially private federated LoRA with sketched Gaussian mechanisms.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -90,6 +202,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vector-sketch-dim", type=_positive, default=None, help="SGMV sketch dimension h (default b r)")
     d.add_argument("--num-classes", type=_positive, default=100)
     d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
+    p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--target-epsilon", type=_float_arg, help="calibrate the noise multiplier for this epsilon")
+    budget.add_argument("--noise-multiplier", type=_float_arg, help="report the epsilon of this noise multiplier")
+    p.add_argument("--delta", type=_float_arg, default=1e-5)
+    p.add_argument("--num-clients", type=_positive, default=625, help="C (default 625, the paper's)")
+    p.add_argument("--clients-per-round", type=_positive, default=4, help="N (default 4, the paper's)")
+    p.add_argument("--sampling-rate", type=_float_arg, help="q for Poisson sampling (default N / C)")
+    p.add_argument("--rounds", type=_positive, default=400, help="T (default 400, the paper's)")
+    p.add_argument("--rank", type=_positive, default=4)
+    p.add_argument("--sketch-dim", type=_positive, help="b for SGMM (default 150), h for SGMV (default 150 r)")
+    p.add_argument("--model", default="vit-b16", choices=list(MODELS), help="whose layer sizes bound the sketch")
+    p.add_argument("--threat-model", default="known-sketch", choices=["known-sketch", "secret-sketch"])
+    p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
+    p.add_argument("--paper-table", action="store_true", help="the paper's noise table beside ours")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -99,6 +229,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "describe":
             report = describe(args)
             print(json.dumps(report, indent=2)) if args.json else _print_describe(report)
+        elif args.paper_table:
+            from dataclasses import asdict
+
+            from fedlora.privacy.paper import paper_table
+            rows = paper_table()
+            print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
+        else:
+            if args.target_epsilon is None and args.noise_multiplier is None:
+                raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
+            _validate_privacy(args)
+            result = privacy(args)
+            print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
         return 0
     except ValueError as error:  # every bad input the package detects is a ValueError with one sentence
         print(f"fedlora: error: {error}", file=sys.stderr)

@@ -11,7 +11,6 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Mapping
-from enum import Enum
 from pathlib import Path
 from typing import NamedTuple
 
@@ -21,26 +20,13 @@ from peft.tuners.lora import LoraLayer
 from torch import Tensor, nn
 
 from fedlora.mechanisms import Message
-from fedlora.models import build_backbone, model_spec
+from fedlora.algorithms import LoRAMode
+from fedlora.models import TARGETS, build_backbone, model_spec
 from fedlora.sketch import seeded_normal
 
 ADAPTER = "default"
 _PREFIX = "base_model.model."
 
-# Target presets, as full-match regexes over module paths (so timm's patch-embedding conv, also
-# named "proj", is never adapted). timm fuses q, k and v into one Linear, "qkv": its "qv" preset
-# adapts that fused projection.
-TARGETS: dict[tuple[str, str], str] = {
-    ("transformers", "qv"): r".*layers\.\d+\.attention\.(q_proj|v_proj)",
-    ("transformers", "all"): r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))",
-    ("timm", "qv"): r".*blocks\.\d+\.attn\.qkv",
-    ("timm", "all"): r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
-}
-
-
-class LoRAMode(str, Enum):
-    FFA = "ffa"  # A frozen at its seeded N(0, 1/r) init, only B trained (FFA-LoRA)
-    FLEX = "flex"  # A and B trained (FlexLoRA)
 
 
 class LoRAFactors(NamedTuple):

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 from torch import Tensor
 
+from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release, SketchedRelease
 from fedlora.sketch import MatrixSketch, NoSketch, Sketch, SketchKey, VectorSketch
 
 Message = dict[str, Tensor]
@@ -117,6 +118,21 @@ class Mechanism:
         if missing:
             raise ValueError(f"No target shape for message entries {sorted(missing)}.")
         return {name: self.sketch.desketch(t, key=key, name=name, shape=shapes[name]) for name, t in message.items()}
+
+    def release(self, *, rank: int, clients_per_round: int, dense: bool = False) -> tuple[Release, ...]:
+        """What one round of this mechanism releases, for the accountant.
+
+        ``rank`` is the LoRA rank r of the sketched factors, ``clients_per_round`` the N clients that
+        share a round's sketch, ``dense`` whether the message also carries unsketched entries (a head).
+        """
+        if not self.private:
+            return (NonPrivateRelease(),)
+        if isinstance(self.sketch, NoSketch) or self.threat_model is ThreatModel.KNOWN_SKETCH:
+            # Whoever knows R sees a Gaussian mechanism: on X (GM) or on the post-clipped R X.
+            return (GaussianRelease(self.noise_multiplier),)
+        vectorized = isinstance(self.sketch, VectorSketch)  # SGMV: (b, r) -> (h, 1)
+        sketched = SketchedRelease(self.noise_multiplier, self.sketch.dim, 1 if vectorized else rank, clients_per_round)
+        return (sketched, GaussianRelease(self.noise_multiplier)) if dense else (sketched,)
 
     def describe(self) -> str:
         """One line naming the sketch, clip, noise and threat model; says NOT private when it is not."""

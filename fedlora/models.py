@@ -6,6 +6,8 @@ A backbone is returned bare (no wrapper module), so that a PEFT adapter saved fr
 
 from __future__ import annotations
 
+import re
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +30,7 @@ class ModelSpec:
     pretrained: bool
     # Architecture overrides for random-init models (transformers ViTConfig / timm kwargs).
     overrides: tuple[tuple[str, int], ...] = ()
+    random_twin: str | None = None  # the same architecture with random weights (shapes without the hub)
 
     @property
     def head(self) -> str:
@@ -45,11 +48,24 @@ MODELS: dict[str, ModelSpec] = {
                                (("img_size", 32), ("patch_size", 4), ("embed_dim", 192), ("depth", 6),
                                 ("num_heads", 3))),
     # ViT-B/16 pretrained on ImageNet-21k, the paper's backbone size (86M parameters).
-    "vit-b16": ModelSpec("transformers", "google/vit-base-patch16-224-in21k", 224, True),
-    "timm-vit-b16": ModelSpec("timm", "vit_base_patch16_224.augreg_in21k", 224, True),
+    "vit-b16": ModelSpec("transformers", "google/vit-base-patch16-224-in21k", 224, True,
+                         random_twin="vit-b16-random"),
+    "timm-vit-b16": ModelSpec("timm", "vit_base_patch16_224.augreg_in21k", 224, True,
+                              random_twin="timm-vit-b16-random"),
     # The same architectures with random weights: offline shape checks and benchmarks.
     "vit-b16-random": ModelSpec("transformers", "vit-b16-random", 224, False),
     "timm-vit-b16-random": ModelSpec("timm", "vit_base_patch16_224", 224, False),
+}
+
+
+# Target presets, as full-match regexes over module paths (so timm's patch-embedding conv, also
+# named "proj", is never adapted). timm fuses q, k and v into one Linear, "qkv": its "qv" preset
+# adapts that fused projection.
+TARGETS: dict[tuple[str, str], str] = {
+    ("transformers", "qv"): r".*layers\.\d+\.attention\.(q_proj|v_proj)",
+    ("transformers", "all"): r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))",
+    ("timm", "qv"): r".*blocks\.\d+\.attn\.qkv",
+    ("timm", "all"): r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
 }
 
 
@@ -111,3 +127,14 @@ def logits(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """Class scores of either family (transformers returns an output object, timm a tensor)."""
     out = model(pixel_values)
     return out.logits if hasattr(out, "logits") else out
+
+
+def adapted_layer_shapes(model: str, *, targets: str = "qv") -> OrderedDict[str, tuple[int, int]]:
+    """(out_features m, in_features k) of every linear the targets adapt, without weights or the hub."""
+    spec = model_spec(model)
+    if (spec.family, targets) not in TARGETS:
+        raise ValueError(f"Unknown LoRA targets '{targets}'; choose 'qv' or 'all'.")
+    with torch.device("meta"):  # shapes only: nothing is allocated or downloaded
+        backbone = build_backbone(spec.random_twin or model, num_classes=2)
+    return OrderedDict((name, (module.out_features, module.in_features)) for name, module in backbone.named_modules()
+                       if isinstance(module, nn.Linear) and re.fullmatch(TARGETS[spec.family, targets], name))

@@ -36,3 +36,70 @@ def test_console_script_exits_2_without_traceback():
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def _json(capsys, argv):
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_privacy_epsilon_of_a_noise_multiplier(capsys):
+    result = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
+    for key in ("epsilon", "delta", "noise_multiplier", "threat_model", "sampling"):
+        assert key in result
+    assert result["threat_model"] == "known-sketch" and result["sampling"] == "fixed"
+    assert result["epsilon"] == pytest.approx(3.028, abs=0.01)  # replace-one: sensitivity 2 tau
+
+
+def test_privacy_calibrates_for_a_target(capsys):
+    result = _json(capsys, ["privacy", "--strategy", "sgmm-ffa-lora", "--target-epsilon", "2.0", "--rounds", "100",
+                            "--threat-model", "secret-sketch", "--json"])
+    assert result["epsilon"] <= 2.0 and result["noise_multiplier"] > 0 and result["sketch_dim"] == 150
+    assert main(["privacy", "--strategy", "sgmm-ffa-lora", "--target-epsilon", "2.0", "--rounds", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "calibrated for target epsilon 2" in out and "threat model known-sketch" in out
+
+
+def test_privacy_poisson_and_non_private(capsys):
+    result = _json(capsys, ["privacy", "--strategy", "gm-flexlora", "--noise-multiplier", "1.5", "--sampling",
+                            "poisson", "--sampling-rate", "0.0064", "--json"])
+    assert result["sampling"] == "poisson" and result["epsilon"] == pytest.approx(0.352, abs=0.005)  # PLD
+    assert main(["privacy", "--strategy", "ffa-lora", "--noise-multiplier", "0"]) == 0
+    assert "epsilon = inf (not private)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target-epsilon", "0"], "Target epsilon must be positive"),
+    (["--target-epsilon", "-1"], "Target epsilon must be positive"),
+    (["--noise-multiplier", "1", "--delta", "1"], "Delta must lie in (0, 1)"),
+    (["--noise-multiplier", "1", "--delta", "0"], "Delta must lie in (0, 1)"),
+    (["--noise-multiplier", "1", "--clients-per-round", "700"], "cannot exceed the number of clients"),
+    (["--noise-multiplier", "1", "--sampling", "poisson", "--sampling-rate", "1.5"], "Sampling rate must lie"),
+    (["--noise-multiplier", "1", "--sampling", "poisson", "--sampling-rate", "0"], "Sampling rate must lie"),
+    (["--noise-multiplier", "1", "--rounds", "0"], "--rounds: must be at least 1"),
+    (["--noise-multiplier", "1", "--sketch-dim", "769"], "must lie in [1, 768]"),
+    (["--noise-multiplier", "1", "--strategy", "sgmv-ffa-lora", "--sketch-dim", "3073"], "must lie in [1, 3072]"),
+    (["--noise-multiplier", "1", "--strategy", "sgmv-flexlora"], "Remark 3.2"),
+    (["--noise-multiplier", "1", "--strategy", "fedavg"], "Unknown strategy"),
+    (["--noise-multiplier", "1", "--threat-model", "secret-sketch", "--sampling", "poisson"], "fixed-size sampling"),
+    (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
+    ([], "Give --target-epsilon or --noise-multiplier"),
+])
+def test_privacy_bad_input_is_one_line_and_exit_2(capsys, argv, message):
+    assert main(["privacy", *argv]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and not captured.out
+
+
+def test_paper_table(capsys):
+    rows = {row["strategy"]: row for row in _json(capsys, ["privacy", "--paper-table", "--json"])}
+    assert set(rows) == {"sgmm-ffa-lora", "sgmv-ffa-lora", "sgmm-flexlora", "gm-ffa-lora", "gm-flexlora"}
+    assert rows["sgmm-ffa-lora"]["paper_noise_multiplier"] == 1.45
+    known = {row["calibrated"]["known-sketch"] for row in rows.values()}
+    assert len(known) == 1  # under known-sketch every strategy is the same Gaussian release
+    for name in ("sgmm-ffa-lora", "sgmv-ffa-lora", "sgmm-flexlora"):
+        z = rows[name]["calibrated"]
+        # the unsound per-message analysis needs the least noise; the joint bound sits between it and known-sketch
+        assert z["per-message"] < z["secret-sketch"] < z["known-sketch"]
+    assert main(["privacy", "--paper-table"]) == 0
+    assert "| sgmm-ffa-lora | 1.45 |" in capsys.readouterr().out

@@ -3,7 +3,7 @@ closed-form Renyi divergences between Gaussians that test them. Pure NumPy; no a
 
 Notation (../shared/design/PRIVACY.md): the release of one matrix X (m x r, ||X||_F <= tau) is b
 i.i.d. rows y_i ~ N(0, X^T X / b + sigma^2 I_r) when R is secret. z = sigma / tau.
-The derivation of the shared-sketch bound is in docs/shared_sketch_bound.md.
+The derivation of the shared-sketch bound is in shared_sketch_bound.md beside this file.
 """
 
 from __future__ import annotations
@@ -26,9 +26,14 @@ def _g(u: float, alpha: np.ndarray) -> np.ndarray:
 
 def _orders(orders) -> np.ndarray:
     alpha = np.atleast_1d(np.asarray(orders, dtype=float))
-    if np.any(alpha <= 1):
+    if np.any(np.isnan(alpha) | (alpha <= 1)):
         raise ValueError("Renyi orders must be greater than 1.")
     return alpha
+
+
+def _finite_orders_only(curve: np.ndarray, alpha: np.ndarray) -> np.ndarray:
+    """+inf at alpha = inf (accountants probe it), instead of the NaN the closed forms give there."""
+    return np.where(np.isinf(alpha), np.inf, curve)
 
 
 def _check(sketch_dim: int, rank: int, noise_multiplier: float, clients_per_round: int) -> None:
@@ -48,7 +53,7 @@ def sketched_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float,
         eps(alpha) = (b r / (2 (alpha - 1))) max(f(1 + u), f(1 - u)),  u = 2 / (b z^2).
     N > 1 bounds the JOINT release of the N clients that share R in Algorithms 1-2:
         eps_N(alpha) = (b k / (2 (alpha - 1))) max(f(1 + u_N), f(1 - u_N)),
-        u_N = (2 + 4 sqrt(N - 1)) / (b z^2),  k = 2 r,
+        u_N = (2 + 2 sqrt(N - 1)) / (b z^2),  k = 2 r,
     which reduces to Lemma 2.7 at N = 1. Valid for a whole multi-layer message clipped at tau,
     under the replace-one and add/remove relations. +inf where the bound's domain ends; never NaN.
     """
@@ -57,9 +62,10 @@ def sketched_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float,
     if noise_multiplier == 0:
         return np.full_like(alpha, np.inf)
     n = clients_per_round
-    u = (2.0 + 4.0 * np.sqrt(n - 1)) / (sketch_dim * noise_multiplier ** 2)
+    u = (2.0 + 2.0 * np.sqrt(n - 1)) / (sketch_dim * noise_multiplier ** 2)
     k = rank if n == 1 else 2 * rank
-    return sketch_dim * k / (2.0 * (alpha - 1.0)) * _g(u, alpha)
+    finite = np.where(np.isinf(alpha), 2.0, alpha)
+    return _finite_orders_only(sketch_dim * k / (2.0 * (finite - 1.0)) * _g(u, finite), alpha)
 
 
 def paper_simplified_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float) -> np.ndarray:
@@ -69,7 +75,8 @@ def paper_simplified_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier
     alpha = _orders(orders)
     if noise_multiplier == 0:
         return np.full_like(alpha, np.inf)
-    return rank * alpha ** 2 / ((alpha - 1.0) * sketch_dim * noise_multiplier ** 4)
+    finite = np.where(np.isinf(alpha), 2.0, alpha)
+    return _finite_orders_only(rank * finite ** 2 / ((finite - 1.0) * sketch_dim * noise_multiplier ** 4), alpha)
 
 
 def gaussian_renyi_divergence(cov_p: np.ndarray, cov_q: np.ndarray, alpha: float) -> float:

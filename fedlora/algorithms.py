@@ -1,0 +1,62 @@
+"""The seven named strategies: an aggregation family (FFA or Flex) times a mechanism, not seven copies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from fedlora.mechanisms import Mechanism, ThreatModel, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
+
+
+class LoRAMode(str, Enum):
+    FFA = "ffa"  # A frozen at its seeded N(0, 1/r) init, only B trained (FFA-LoRA)
+    FLEX = "flex"  # A and B trained (FlexLoRA)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    family: LoRAMode  # FFA: mean of (sketched) B; Flex: mean of B A products, then top-r SVD
+    mechanism: str  # "none", "gaussian", "sgmm" or "sgmv"
+
+    @property
+    def private(self) -> bool:
+        return self.mechanism != "none"
+
+    @property
+    def sketched(self) -> bool:
+        return self.mechanism in ("sgmm", "sgmv")
+
+
+ALGORITHMS: dict[str, Algorithm] = {a.name: a for a in (
+    Algorithm("sgmm-ffa-lora", LoRAMode.FFA, "sgmm"),
+    Algorithm("sgmv-ffa-lora", LoRAMode.FFA, "sgmv"),
+    Algorithm("sgmm-flexlora", LoRAMode.FLEX, "sgmm"),
+    Algorithm("gm-ffa-lora", LoRAMode.FFA, "gaussian"),
+    Algorithm("gm-flexlora", LoRAMode.FLEX, "gaussian"),
+    Algorithm("ffa-lora", LoRAMode.FFA, "none"),
+    Algorithm("flexlora", LoRAMode.FLEX, "none"),
+)}
+PRIVATE_ALGORITHMS = tuple(name for name, a in ALGORITHMS.items() if a.private)
+
+
+def get_algorithm(name: str) -> Algorithm:
+    if name not in ALGORITHMS:
+        raise ValueError(f"Unknown strategy '{name}'; choose one of: {', '.join(ALGORITHMS)}.")
+    return ALGORITHMS[name]
+
+
+def make_mechanism(algorithm: Algorithm, *, clip_norm: float | None, noise_multiplier: float,
+                   sketch_dim: int | None = None, threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
+    """The client-side mechanism of a strategy. ``sketch_dim`` is b for SGMM and h for SGMV."""
+    if algorithm.mechanism == "none":
+        return Mechanism(clip_norm=clip_norm)
+    if clip_norm is None:
+        raise ValueError(f"Strategy '{algorithm.name}' is private and needs a clip norm.")
+    if algorithm.mechanism == "gaussian":
+        return gaussian_mechanism(clip_norm=clip_norm, noise_multiplier=noise_multiplier)
+    if sketch_dim is None:
+        raise ValueError(f"Strategy '{algorithm.name}' needs a sketch dimension.")
+    make = sgmm_mechanism if algorithm.mechanism == "sgmm" else sgmv_mechanism
+    return make(sketch_dim=sketch_dim, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
+                threat_model=threat_model)

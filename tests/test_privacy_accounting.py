@@ -1,0 +1,187 @@
+import math
+
+import numpy as np
+import pytest
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant as rdp
+
+from fedlora.algorithms import ALGORITHMS, get_algorithm, make_mechanism
+from fedlora.privacy import (GaussianRelease, NonPrivateRelease, Phase, PrivacyLedger, SamplingScheme,
+                             SketchedRelease, calibrate, epsilon)
+from fedlora.privacy.accounting import ORDERS, gaussian_event
+
+FIXED = SamplingScheme("fixed", 625, clients_per_round=4)
+POISSON = SamplingScheme("poisson", 625, rate=4 / 625)
+
+
+def _gm(z, sampling, rounds):
+    return [Phase("lora", (GaussianRelease(z),), sampling, rounds)]
+
+
+def _sgmm(z, rounds, sampling=FIXED, b=150, r=4):
+    return [Phase("lora", (SketchedRelease(z, b, r, sampling.clients_per_round),), sampling, rounds)]
+
+
+@pytest.mark.parametrize("q", [0.001, 0.01, 0.1])
+@pytest.mark.parametrize("rounds", [1, 50, 400])
+@pytest.mark.parametrize("z", [0.8, 1.5, 3.0])
+def test_gaussian_epsilons_equal_dp_accounting(q, rounds, z):
+    delta = 1e-5
+    poisson = SamplingScheme("poisson", 1000, rate=q)
+    fixed = SamplingScheme("fixed", 1000, clients_per_round=int(q * 1000))
+    # Poisson, add/remove: sensitivity tau, the event's multiplier is z
+    acc = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.ADD_OR_REMOVE_ONE)
+    acc.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), rounds)
+    ours = epsilon(_gm(z, poisson, rounds), delta=delta, threat_model="known-sketch", use_pld=False)
+    assert ours.epsilon == pytest.approx(acc.get_epsilon(delta), rel=1e-6) and ours.method == "RDP"
+    pld = pld_privacy_accountant.PLDAccountant()
+    pld.compose(dp_event.PoissonSampledDpEvent(q, dp_event.GaussianDpEvent(z)), rounds)
+    best = epsilon(_gm(z, poisson, rounds), delta=delta, threat_model="known-sketch")
+    assert best.epsilon == pytest.approx(min(acc.get_epsilon(delta), pld.get_epsilon(delta)), rel=1e-6)
+    # Fixed size, replace-one: a message can move by 2 tau, so the event's multiplier is z / 2
+    acc = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.REPLACE_ONE)
+    acc.compose(dp_event.SampledWithoutReplacementDpEvent(1000, int(q * 1000), dp_event.GaussianDpEvent(z / 2)),
+                rounds)
+    assert epsilon(_gm(z, fixed, rounds), delta=delta, threat_model="known-sketch").epsilon == pytest.approx(
+        acc.get_epsilon(delta), rel=1e-6)
+
+
+def test_gaussian_parts_compose_into_one_event():
+    event = gaussian_event((GaussianRelease(2.0), GaussianRelease(2.0)), POISSON)
+    assert event.event.noise_multiplier == pytest.approx(2.0 / math.sqrt(2))
+
+
+@pytest.mark.parametrize("phases_at", [
+    lambda z, t, s: _gm(z, s, t),
+    lambda z, t, s: _sgmm(z, t, s),
+])
+def test_epsilon_is_monotone(phases_at):
+    def eps(z=1.5, t=100, s=FIXED):
+        threat = "secret-sketch" if isinstance(phases_at(1, 1, FIXED)[0].release[0], SketchedRelease) else "known-sketch"
+        return epsilon(phases_at(z, t, s), delta=1e-5, threat_model=threat).epsilon
+
+    assert eps(t=50) < eps(t=100) < eps(t=200)  # up in T
+    assert eps(z=2.0) < eps(z=1.5) < eps(z=1.2)  # down in z
+    assert eps(s=SamplingScheme("fixed", 625, clients_per_round=2)) < eps() < eps(
+        s=SamplingScheme("fixed", 625, clients_per_round=8))  # up in q
+    assert eps(t=0) == 0.0
+    assert math.isinf(eps(z=0.0))
+
+
+def test_poisson_rate_monotone_and_non_private_is_infinite():
+    e = [epsilon(_gm(1.5, SamplingScheme("poisson", 625, rate=q), 100), delta=1e-5, threat_model="known-sketch").epsilon
+         for q in (0.001, 0.01, 0.1)]
+    assert e[0] < e[1] < e[2]
+    report = epsilon([Phase("lora", (NonPrivateRelease(),), FIXED, 10)], delta=1e-5, threat_model="known-sketch")
+    assert math.isinf(report.epsilon) and "not private" in report.describe()
+
+
+def test_secret_sketch_composes_a_dense_gaussian_part():
+    alone = epsilon(_sgmm(1.5, 100), delta=1e-5, threat_model="secret-sketch").epsilon
+    with_head = epsilon([Phase("lora", (SketchedRelease(1.5, 150, 4, 4), GaussianRelease(1.5)), FIXED, 100)],
+                        delta=1e-5, threat_model="secret-sketch").epsilon
+    assert with_head > alone
+
+
+def test_phases_compose():
+    probe = Phase("linear-probe", (GaussianRelease(3.0),), FIXED, 50)
+    lora = Phase("lora", (GaussianRelease(1.5),), FIXED, 200)
+    both = epsilon([probe, lora], delta=1e-5, threat_model="known-sketch").epsilon
+    assert both > epsilon([lora], delta=1e-5, threat_model="known-sketch").epsilon
+    assert both > epsilon([probe], delta=1e-5, threat_model="known-sketch").epsilon
+
+
+@pytest.mark.parametrize("threat_model, phases_for", [
+    ("known-sketch", lambda z: _gm(z, FIXED, 400)),
+    ("known-sketch", lambda z: _gm(z, POISSON, 400)),
+    ("secret-sketch", lambda z: _sgmm(z, 400)),
+])
+def test_calibration_round_trip(threat_model, phases_for):
+    target = 1.7
+    result = calibrate(phases_for, target_epsilon=target, delta=1e-5, threat_model=threat_model)
+    z = result.noise_multiplier
+    assert result.report.epsilon <= target
+    assert epsilon(phases_for(z), delta=1e-5, threat_model=threat_model).epsilon <= target
+    assert epsilon(phases_for(0.99 * z), delta=1e-5, threat_model=threat_model).epsilon > target  # within 1%
+
+
+def test_calibration_reports_an_unreachable_target():
+    with pytest.raises(ValueError, match="unreachable"):
+        calibrate(lambda z: [Phase("lora", (NonPrivateRelease(),), FIXED, 10)], target_epsilon=1.0, delta=1e-5,
+                  threat_model="known-sketch")
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: epsilon(_gm(1.0, FIXED, 10), delta=0.0, threat_model="known-sketch"), "Delta must lie"),
+    (lambda: epsilon(_gm(1.0, FIXED, 10), delta=1e-5, threat_model="nobody"), "Unknown threat model"),
+    (lambda: epsilon(_sgmm(1.0, 10), delta=1e-5, threat_model="known-sketch"), "cannot be accounted"),
+    (lambda: epsilon([Phase("l", (SketchedRelease(1.0, 150, 4, 4),), POISSON, 10)], delta=1e-5,
+                     threat_model="secret-sketch"), "fixed-size sampling only"),
+    (lambda: calibrate(lambda z: _gm(z, FIXED, 10), target_epsilon=0.0, delta=1e-5, threat_model="known-sketch"),
+     "must be positive"),
+    (lambda: SamplingScheme("fixed", 10, clients_per_round=11), r"\[1, 10\]"),
+    (lambda: SamplingScheme("poisson", 10, rate=1.5), r"\(0, 1\]"),
+    (lambda: Phase("l", (GaussianRelease(1.0),), FIXED, -1), "non-negative"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_ledger_after_t_rounds_equals_the_accountant():
+    ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch")
+    ledger.begin_phase("lora", (GaussianRelease(1.5),), FIXED)
+    reports = [ledger.record_round() for _ in range(20)]
+    assert [r.epsilon for r in reports] == sorted(r.epsilon for r in reports)
+    assert ledger.rounds == 20 and len(ledger.history) == 20
+    assert ledger.epsilon == pytest.approx(epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch").epsilon)
+    assert ledger.history[-1]["threat_model"] == "known-sketch"
+    restored = PrivacyLedger.from_dict(ledger.to_dict())
+    assert restored.epsilon == ledger.epsilon and restored.history == ledger.history
+
+
+def test_ledger_stops_before_the_budget():
+    budget = epsilon(_gm(1.5, FIXED, 10), delta=1e-5, threat_model="known-sketch").epsilon
+    ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch", target_epsilon=budget)
+    ledger.begin_phase("lora", (GaussianRelease(1.5),), FIXED)
+    rounds = 0
+    while not ledger.would_exceed_budget():
+        ledger.record_round()
+        rounds += 1
+    assert rounds == 10 and ledger.epsilon <= budget
+
+
+def test_ledger_composes_phases_and_round_trips_sketched_releases():
+    ledger = PrivacyLedger(delta=1e-5, threat_model="secret-sketch")
+    ledger.begin_phase("linear-probe", (GaussianRelease(3.0),), FIXED)
+    for _ in range(5):
+        ledger.record_round()
+    probe_only = ledger.epsilon
+    ledger.begin_phase("lora", (SketchedRelease(1.5, 150, 4, 4),), FIXED)
+    ledger.record_round()
+    assert ledger.epsilon > probe_only
+    assert PrivacyLedger.from_dict(ledger.to_dict()).epsilon == pytest.approx(ledger.epsilon)
+
+
+@pytest.mark.parametrize("name", list(ALGORITHMS))
+@pytest.mark.parametrize("threat_model", ["known-sketch", "secret-sketch"])
+def test_every_mechanism_describes_its_release(name, threat_model):
+    algorithm = get_algorithm(name)
+    mech = make_mechanism(algorithm, clip_norm=1.0, noise_multiplier=0.0 if not algorithm.private else 1.2,
+                          sketch_dim=16, threat_model=threat_model)
+    release = mech.release(rank=4, clients_per_round=4)
+    if not algorithm.private:
+        assert release == (NonPrivateRelease(),)
+    elif algorithm.sketched and threat_model == "secret-sketch":
+        rank = 1 if algorithm.mechanism == "sgmv" else 4  # SGMV: (b, r) -> (h, 1)
+        assert release == (SketchedRelease(1.2, 16, rank, 4),)
+    else:
+        assert release == (GaussianRelease(1.2),)  # GM, or any sketch whose R is known
+
+
+def test_zero_noise_private_strategy_releases_are_not_private():
+    mech = make_mechanism(get_algorithm("sgmm-ffa-lora"), clip_norm=1.0, noise_multiplier=0.0, sketch_dim=8)
+    assert mech.release(rank=4, clients_per_round=4) == (NonPrivateRelease(),)
+    assert np.isinf(epsilon([Phase("l", mech.release(rank=4, clients_per_round=4), FIXED, 1)], delta=1e-5,
+                            threat_model="known-sketch").epsilon)
