@@ -11,6 +11,7 @@ the sketch they compose with and in their noise.
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release, SketchedRelease
-from fedlora.sketch import MatrixSketch, NoSketch, Sketch, SketchKey, VectorSketch
+from fedlora.sketch import MatrixSketch, NoSketch, Side, Sketch, SketchKey, VectorSketch, side_of
 
 Message = dict[str, Tensor]
 
@@ -37,12 +38,22 @@ def message_norm(message: Mapping[str, Tensor]) -> float:
     return float(torch.sqrt(sum(t.detach().double().pow(2).sum() for t in message.values())))
 
 
+# Clipping scales to (1 - CLIP_MARGIN) * clip_norm, so that float32 rounding never lifts a norm above it.
+CLIP_MARGIN = 1e-6
+
+
 def clip_message(message: Mapping[str, Tensor], clip_norm: float) -> Message:
-    """Scales the whole message by min(1, clip_norm / ||message||_F)."""
+    """Scales the whole message by min(1, clip_norm / ||message||_F), in float64, at least float32 out.
+
+    A message that is not finite is refused: min(1, clip / NaN) would let it through unclipped.
+    """
     if not clip_norm > 0:
         raise ValueError(f"Clip norm must be positive, got {clip_norm}.")
-    scale = min(1.0, clip_norm / max(message_norm(message), 1e-300))
-    return {name: t * scale for name, t in message.items()}
+    norm = message_norm(message)
+    if not math.isfinite(norm):
+        raise ValueError("The message holds NaN or infinite values; it cannot be clipped or sent.")
+    scale = 1.0 if norm <= clip_norm else (1 - CLIP_MARGIN) * clip_norm / norm
+    return {name: (t.double() * scale).to(torch.promote_types(t.dtype, torch.float32)) for name, t in message.items()}
 
 
 def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
@@ -119,7 +130,15 @@ class Mechanism:
             raise ValueError(f"No target shape for message entries {sorted(missing)}.")
         return {name: self.sketch.desketch(t, key=key, name=name, shape=shapes[name]) for name, t in message.items()}
 
-    def release(self, *, rank: int, clients_per_round: int, dense: bool = False) -> tuple[Release, ...]:
+    def release_of(self, message: Mapping[str, Tensor], *, clients_per_round: int) -> tuple[Release, ...]:
+        """The release of ``message`` (its rank and whether it carries dense entries come from the message)."""
+        sketched = [t for name, t in message.items() if side_of(name) is not Side.DENSE]
+        ranks = {t.shape[1] if side_of(name) is Side.LEFT else t.shape[0]
+                 for name, t in message.items() if side_of(name) is not Side.DENSE}
+        dense = len(sketched) < len(message)
+        return self.release(rank=max(ranks, default=1), clients_per_round=clients_per_round, dense=dense)
+
+    def release(self, *, rank: int, clients_per_round: int, dense: bool) -> tuple[Release, ...]:
         """What one round of this mechanism releases, for the accountant.
 
         ``rank`` is the LoRA rank r of the sketched factors, ``clients_per_round`` the N clients that

@@ -21,9 +21,9 @@ def test_clipping_is_exact_on_the_whole_message():
     assert message_norm(message) == 5.0
     clipped = clip_message(message, 1.0)
     # one scale for the whole message (0.2), not a per-layer clip
-    assert clipped["a.lora_B"].item() == pytest.approx(0.6, abs=1e-15)
-    assert clipped["b.lora_B"].item() == pytest.approx(0.8, abs=1e-15)
-    assert message_norm(clipped) == pytest.approx(1.0, abs=1e-12)
+    assert clipped["a.lora_B"].item() == pytest.approx(0.6, rel=1e-5)
+    assert clipped["b.lora_B"].item() == pytest.approx(0.8, rel=1e-5)
+    assert 1.0 - 1e-5 < message_norm(clipped) <= 1.0
     small = clip_message(message, 10.0)
     assert all(torch.equal(small[n], message[n]) for n in message)
 
@@ -53,7 +53,7 @@ def test_known_sketch_clips_after_sketching_and_secret_sketch_does_not():
     message = {"w.lora_B": torch.linalg.svd(r).Vh[0].reshape(m, 1)}  # norm 1 = the clip norm
     known = sgmm_mechanism(sketch_dim=b, clip_norm=1.0, noise_multiplier=0.0)
     secret = sgmm_mechanism(sketch_dim=b, clip_norm=1.0, noise_multiplier=0.0, threat_model="secret-sketch")
-    assert message_norm(known.privatize(message, key=KEY)) == pytest.approx(1.0, rel=1e-9)
+    assert 1.0 - 1e-5 < message_norm(known.privatize(message, key=KEY)) <= 1.0
     inflated = message_norm(secret.privatize(message, key=KEY))
     assert inflated > 0.8 * (1 + (m / b) ** 0.5)  # sensitivity given R far above the clip norm
     assert known.clips_after_sketch and not secret.clips_after_sketch
@@ -106,3 +106,11 @@ def test_bad_input_is_one_clear_value_error(make, match):
     with pytest.raises(ValueError, match=match) as error:
         make()
     assert "\n" not in str(error.value)
+
+
+def test_clipping_refuses_non_finite_messages_and_never_exceeds_the_clip_in_low_precision():
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        clip_message({"w.lora_B": torch.tensor([[float("nan"), 1.0]])}, 1.0)
+    big = {"w.lora_B": torch.randn(300, 4, dtype=torch.bfloat16) * 50}
+    clipped = clip_message(big, 1.0)
+    assert clipped["w.lora_B"].dtype == torch.float32 and message_norm(clipped) <= 1.0

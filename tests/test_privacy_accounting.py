@@ -170,7 +170,7 @@ def test_every_mechanism_describes_its_release(name, threat_model):
     algorithm = get_algorithm(name)
     mech = make_mechanism(algorithm, clip_norm=1.0, noise_multiplier=0.0 if not algorithm.private else 1.2,
                           sketch_dim=16, threat_model=threat_model)
-    release = mech.release(rank=4, clients_per_round=4)
+    release = mech.release(rank=4, clients_per_round=4, dense=False)
     if not algorithm.private:
         assert release == (NonPrivateRelease(),)
     elif algorithm.sketched and threat_model == "secret-sketch":
@@ -182,6 +182,35 @@ def test_every_mechanism_describes_its_release(name, threat_model):
 
 def test_zero_noise_private_strategy_releases_are_not_private():
     mech = make_mechanism(get_algorithm("sgmm-ffa-lora"), clip_norm=1.0, noise_multiplier=0.0, sketch_dim=8)
-    assert mech.release(rank=4, clients_per_round=4) == (NonPrivateRelease(),)
-    assert np.isinf(epsilon([Phase("l", mech.release(rank=4, clients_per_round=4), FIXED, 1)], delta=1e-5,
+    assert mech.release(rank=4, clients_per_round=4, dense=False) == (NonPrivateRelease(),)
+    assert np.isinf(epsilon([Phase("l", mech.release(rank=4, clients_per_round=4, dense=False), FIXED, 1)], delta=1e-5,
                             threat_model="known-sketch").epsilon)
+
+
+def test_release_of_a_message_counts_its_head():
+    mech = make_mechanism(get_algorithm("sgmm-ffa-lora"), clip_norm=1.0, noise_multiplier=1.2, sketch_dim=16,
+                          threat_model="secret-sketch")
+    adapters_only = {"l.lora_B": np.zeros((32, 4))}
+    with_head = {**adapters_only, "classifier.weight": np.zeros((10, 32))}
+    import torch
+    as_torch = lambda m: {k: torch.as_tensor(v) for k, v in m.items()}
+    assert mech.release_of(as_torch(adapters_only), clients_per_round=4) == (SketchedRelease(1.2, 16, 4, 4),)
+    assert mech.release_of(as_torch(with_head), clients_per_round=4) == (SketchedRelease(1.2, 16, 4, 4),
+                                                                          GaussianRelease(1.2))
+
+
+def test_mixed_sampling_kinds_and_unsound_per_message_releases_are_refused():
+    with pytest.raises(ValueError, match="cannot be composed"):
+        epsilon([*_gm(1.0, FIXED, 5), *_gm(1.0, POISSON, 5)], delta=1e-5, threat_model="known-sketch")
+    per_message = [Phase("l", (SketchedRelease(1.0, 150, 4, 1),), FIXED, 10)]  # N = 4 share the sketch
+    with pytest.raises(ValueError, match="unsound"):
+        epsilon(per_message, delta=1e-5, threat_model="secret-sketch")
+    report = epsilon(per_message, delta=1e-5, threat_model="secret-sketch", allow_unsound_per_message=True)
+    assert "UNSOUND" in report.threat_model and "UNSOUND" in report.describe()
+
+
+def test_curves_stay_non_negative_for_huge_noise():
+    from fedlora.privacy.curves import sketched_rdp
+    assert np.all(sketched_rdp(ORDERS, sketch_dim=150, rank=4, noise_multiplier=1e4) >= 0)
+    eps = [epsilon(_sgmm(z, 10), delta=1e-5, threat_model="secret-sketch").epsilon for z in (10.0, 100.0, 1e3)]
+    assert eps[0] >= eps[1] >= eps[2] >= 0

@@ -151,12 +151,37 @@ def _check_threat_model(phases: Sequence[Phase], threat_model: str) -> None:
         raise ValueError("A secret-sketch release cannot be accounted under the known-sketch threat model.")
 
 
-def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, use_pld: bool = True) -> PrivacyReport:
-    """The client-level (epsilon, delta) of all ``phases`` composed."""
+def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> None:
+    if len({p.sampling.kind for p in phases}) > 1:
+        raise ValueError("Phases with different sampling kinds use different neighbour relations (replace-one "
+                         "vs add/remove) and cannot be composed: use one sampling kind for the whole run.")
+    for phase in phases:
+        for part in phase.release:
+            if (isinstance(part, SketchedRelease) and phase.sampling.kind is Sampling.FIXED
+                    and part.clients_per_round < phase.sampling.clients_per_round
+                    and not allow_unsound_per_message):
+                raise ValueError(f"The sketch is shared by {phase.sampling.clients_per_round} clients per round, but "
+                                 f"the release is accounted for {part.clients_per_round}: that bound is unsound.")
+
+
+def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, use_pld: bool = True,
+            allow_unsound_per_message: bool = False) -> PrivacyReport:
+    """The client-level (epsilon, delta) of all ``phases`` composed.
+
+    ``allow_unsound_per_message`` lets a secret-sketch release be accounted per message although its
+    sketch is shared (the paper's analysis): only for showing the paper's numbers, labelled UNSOUND.
+    """
     _check_delta(delta)
     _check_threat_model(phases, threat_model)
+    _check_phases(phases, allow_unsound_per_message)
+    unsound = any(isinstance(part, SketchedRelease) and part.clients_per_round < (p.sampling.clients_per_round or 1)
+                  for p in phases for part in p.release)
+    if unsound:
+        threat_model = f"{threat_model}, per-message analysis: UNSOUND for shared sketches"
     sampling = "+".join(sorted({p.sampling.kind.value for p in phases})) or "none"
     total = sum((phase_rdp(p) for p in phases), np.zeros_like(ORDERS))
+    if np.any(np.isnan(total)) or np.any(total < 0):
+        raise ValueError("An RDP curve came out NaN or negative; refusing to report an epsilon from it.")
     if np.all(np.isinf(total)):
         return PrivacyReport(math.inf, delta, threat_model, sampling, "none")
     eps, order = rdp.compute_epsilon(ORDERS, total, delta)
@@ -175,7 +200,8 @@ class Calibration:
 
 
 def calibrate(phases_for: Callable[[float], Sequence[Phase]], *, target_epsilon: float, delta: float,
-              threat_model: str, tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3) -> Calibration:
+              threat_model: str, tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3,
+              allow_unsound_per_message: bool = False) -> Calibration:
     """The smallest noise multiplier (to ``tolerance`` relative) whose epsilon is <= ``target_epsilon``.
 
     ``phases_for(z)`` gives the run's phases at noise multiplier z. Epsilon falls as z rises, so a
@@ -186,7 +212,8 @@ def calibrate(phases_for: Callable[[float], Sequence[Phase]], *, target_epsilon:
     _check_delta(delta)
 
     def eps_at(z: float) -> PrivacyReport:
-        return epsilon(phases_for(z), delta=delta, threat_model=threat_model)
+        return epsilon(phases_for(z), delta=delta, threat_model=threat_model,
+                       allow_unsound_per_message=allow_unsound_per_message)
 
     hi = 1.0
     report = eps_at(hi)

@@ -11,17 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def _f(x: np.ndarray, alpha: np.ndarray) -> np.ndarray:
-    """f(x) = alpha ln x - ln(1 - alpha + alpha x); +inf where the second log's argument is <= 0."""
-    inner = 1.0 - alpha + alpha * x
-    with np.errstate(divide="ignore", invalid="ignore"):
-        value = alpha * np.log(x) - np.log(inner)
-    return np.where((inner > 0) & (x > 0), value, np.inf)
-
-
 def _g(u: float, alpha: np.ndarray) -> np.ndarray:
-    """max(f(1 + u), f(1 - u)): the worst eigenvalue of the covariance ratio within [1 - u, 1 + u]."""
-    return np.maximum(_f(np.full_like(alpha, 1.0 + u), alpha), _f(np.full_like(alpha, 1.0 - u), alpha))
+    """max(f(1 + u), f(1 - u)) with f(x) = alpha ln x - ln(1 - alpha + alpha x): the worst eigenvalue of the
+    covariance ratio within [1 - u, 1 + u]. log1p forms keep it accurate (and >= 0) for tiny u; +inf where
+    1 - alpha u <= 0 (the bound's domain ends), never NaN."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        upper = alpha * np.log1p(u) - np.log1p(alpha * u)
+        lower = np.where(alpha * u < 1, alpha * np.log1p(-u) - np.log1p(-alpha * u), np.inf)
+    return np.maximum(np.maximum(upper, lower), 0.0)
 
 
 def _orders(orders) -> np.ndarray:
