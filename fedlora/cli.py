@@ -190,9 +190,35 @@ def _print_paper_table(rows) -> None:
           "sketch and is shown only to explain the paper's numbers: never use it as a privacy claim.")
 
 
+def run(args: argparse.Namespace) -> None:
+    """Validate, calibrate, then run the simulated federation on a local SuperLink."""
+    import time
+    from pathlib import Path
+
+    from fedlora.config import load_config
+    from fedlora.experiment import check_before_start, noise_for
+    from fedlora.federation import Protocol
+    from fedlora.simulation import run_simulation
+
+    config = load_config(args.config, args.set)
+    check_before_start(config)
+    noise_multiplier, ledger = noise_for(config)  # raises for an unreachable target epsilon
+    out_dir = Path(args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    mechanism = Protocol(config, noise_multiplier).mechanism
+    print(f"fedlora run: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} clients, "
+          f"{config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
+    print(f"  mechanism: {mechanism.describe()}")
+    if ledger is not None:
+        planned = ledger.report(extra_rounds=config.num_rounds)
+        print(f"  privacy: {planned.describe()} after {config.num_rounds} rounds")
+    rows = run_simulation(config, out_dir)
+    last = rows[-1]
+    print(f"done: accuracy {last['accuracy']:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedlora", description="Differentially private federated LoRA with sketched Gaussian mechanisms.")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     d = commands.add_parser("describe", help="what each mechanism uploads and costs for a model's LoRA adapters")
     d.add_argument("--model", default="vit-b16-random", choices=list(MODELS),
                    help="backbone (default: ViT-B/16 shapes with random weights, works offline)")
@@ -202,6 +228,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vector-sketch-dim", type=_positive, default=None, help="SGMV sketch dimension h (default b r)")
     d.add_argument("--num-classes", type=_positive, default=100)
     d.add_argument("--json", action="store_true", help="print one JSON object")
+
+    r = commands.add_parser("run", help="run a simulated federation (default: the offline CPU quickstart)")
+    r.add_argument("--config", help="a TOML preset (e.g. configs/quickstart.toml); default: the quickstart")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
 
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
@@ -225,8 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = build_parser().parse_args(argv)
-        if args.command == "describe":
+        args = build_parser().parse_args(argv if argv is not None else sys.argv[1:] or ["run"])
+        if args.command == "run":
+            run(args)
+        elif args.command == "describe":
             report = describe(args)
             print(json.dumps(report, indent=2)) if args.json else _print_describe(report)
         elif args.paper_table:
@@ -245,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # every bad input the package detects is a ValueError with one sentence
         print(f"fedlora: error: {error}", file=sys.stderr)
         return 2
+    except RuntimeError as error:  # a run that started and failed (SimulationError): its log is named
+        print(f"fedlora: error: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

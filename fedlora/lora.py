@@ -137,3 +137,36 @@ def save_adapters(model: PeftModel, path: str | Path) -> None:
 def load_adapters(model: str, path: str | Path, *, num_classes: int, seed: int = 0) -> PeftModel:
     """A saved adapter on a freshly built backbone of the given model name."""
     return PeftModel.from_pretrained(build_backbone(model, num_classes=num_classes, seed=seed), str(path))
+
+
+def _head_module(model: PeftModel) -> tuple[str, nn.Module] | None:
+    """The trainable copy PEFT keeps of the classifier head (``modules_to_save``), if the head is trained."""
+    names = model.peft_config[ADAPTER].modules_to_save or []
+    for name in names:
+        wrapper = model.base_model.model.get_submodule(name)
+        return name, wrapper.modules_to_save[ADAPTER]
+    return None
+
+
+def get_head(model: PeftModel) -> dict[str, Tensor]:
+    """The trained head's parameters as dense message entries (``classifier.weight``, ...); {} if frozen."""
+    found = _head_module(model)
+    if found is None:
+        return {}
+    name, module = found
+    return {f"{name}.{p}": t.detach().clone() for p, t in module.named_parameters()}
+
+
+def set_head(model: PeftModel, values: Mapping[str, Tensor]) -> None:
+    found = _head_module(model)
+    if found is None:
+        if values:
+            raise ValueError("This model's head is frozen, but head values were given.")
+        return
+    name, module = found
+    with torch.no_grad():
+        for p, t in module.named_parameters():
+            key = f"{name}.{p}"
+            if key not in values or tuple(values[key].shape) != tuple(t.shape):
+                raise ValueError(f"Head entry '{key}' is missing or has the wrong shape.")
+            t.copy_(values[key])

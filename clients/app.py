@@ -1,0 +1,65 @@
+"""The fedlora ClientApp: de-sketch the global adapters, train K local SGD steps, clip, privatize, reply.
+
+The backbone and the partition are built once per worker process and reused across rounds and
+partitions; per round only the adapters (and head) are loaded from the server's message.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from fedlora.config import RunConfig
+from fedlora.data import load_partition, make_partitioner, to_torch
+from fedlora.experiment import load_splits, run_config_of
+from fedlora.federation import GlobalState, Protocol, num_bytes
+from fedlora.lora import get_adapters
+from fedlora.models import model_spec
+from fedlora.training import select_device
+
+app = ClientApp()
+
+
+@lru_cache(maxsize=4)
+def _model(config: RunConfig, rank: int):
+    """The client model of one rank, built once per process (same seeded backbone on every client)."""
+    model = Protocol(config, 0.0).build_model(rank).to(select_device())
+    return model, get_adapters(model)
+
+
+@lru_cache(maxsize=2)
+def _partitioner(config: RunConfig, num_partitions: int):
+    train, _ = load_splits(config)
+    return make_partitioner(config.partitioner, num_partitions=num_partitions, dataset=train,
+                            alpha=config.dirichlet_alpha, seed=config.seed)
+
+
+@lru_cache(maxsize=64)
+def _partition(config: RunConfig, partition_id: int, num_partitions: int):
+    data = load_partition(_partitioner(config, num_partitions), partition_id)
+    return to_torch(data, model_spec(config.model).image_size, train=True)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    config = run_config_of(context.run_config)
+    round_config = msg.content["config"]
+    protocol = Protocol(config, float(round_config["noise-multiplier"]))
+    if config.threat_model == "known-sketch":
+        protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
+    partition_id = int(context.node_config["partition-id"])
+    num_partitions = int(context.node_config["num-partitions"])
+    model, base = _model(config, protocol.client_rank(partition_id))
+    state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
+                        int(round_config["produced-by"]))
+    round_ = int(round_config["server-round"])
+    noise = protocol.simulation_noise(round_, partition_id) if config.noise_source == "seeded" else None
+    release, loss = protocol.local_round(model, base, _partition(config, partition_id, num_partitions), state,
+                                         round_=round_, partition_id=partition_id, noise=noise)
+    metrics = MetricRecord({"train-loss": float(loss), "partition-id": partition_id,
+                            "bytes-up": num_bytes(release)})
+    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
+                               "metrics": metrics}), reply_to=msg)

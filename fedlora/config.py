@@ -1,0 +1,186 @@
+"""The run configuration: one vocabulary for TOML files, `--set key=value`, Flower's run config and the CLIs.
+
+Every option is declared once below with its type, default and check. ``RunConfig.from_mapping``
+rejects unknown keys (suggesting the nearest valid one), converts types, and checks ranges and
+cross-constraints, raising ``ValueError`` with one sentence per problem before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+from fedlora.algorithms import ALGORITHMS, LoRAMode, get_algorithm
+from fedlora.data import PARTITIONER_KINDS
+from fedlora.models import MODELS
+
+DATASETS = ("synthetic", "cifar100")
+HEAD_MODES = ("message", "frozen")
+
+
+def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
+         high: float | None = None, low_open: bool = False):
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high,
+                                            "low_open": low_open})
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    strategy: str = _opt("sgmm-ffa-lora", "the algorithm", choices=tuple(ALGORITHMS))
+    num_clients: int = _opt(20, "C, clients in the federation", low=1)
+    clients_per_round: int = _opt(4, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
+    sampling: str = _opt("fixed", "client sampling", choices=("fixed", "poisson"))
+    num_rounds: int = _opt(10, "T, federated rounds", low=1)
+    local_steps: int = _opt(5, "K, local SGD steps per round", low=1)
+    batch_size: int = _opt(16, "B, local mini-batch size", low=1)
+    lr: float = _opt(0.05, "local SGD learning rate", low=0.0, low_open=True)
+    rank: int = _opt(4, "LoRA rank r", low=1)
+    lora_alpha: float = _opt(8.0, "LoRA alpha (the update is alpha / r * B A)", low=0.0, low_open=True)
+    targets: str = _opt("qv", "adapted linears: attention query/value, or all attention and MLP linears",
+                        choices=("qv", "all"))
+    client_ranks: str = _opt("", "FlexLoRA: comma-separated client ranks, cycled over partition ids (empty: all r)")
+    svd_split: str = _opt("into-b", "FlexLoRA: singular values into B, or split as square roots",
+                          choices=("into-b", "sqrt"))
+    sketch_dim: int = _opt(0, "b for SGMM, h for SGMV (0: b = 64, h = 64 r)", low=0)
+    target_epsilon: float = _opt(8.0, "privacy budget epsilon (0: use noise-multiplier as given)", low=0.0)
+    delta: float = _opt(1e-5, "delta", low=0.0, high=1.0, low_open=True)
+    noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm, used when target-epsilon is 0", low=0.0)
+    clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
+    threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
+    head: str = _opt("message", "classifier head: trained inside the private message, or frozen",
+                     choices=HEAD_MODES)
+    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline) or CIFAR-100 from the hub",
+                        choices=DATASETS)
+    num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
+    train_examples: int = _opt(4000, "synthetic train-split size", low=1)
+    test_examples: int = _opt(1000, "synthetic test-split size", low=1)
+    model: str = _opt("vit-tiny", "backbone", choices=tuple(MODELS))
+    partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
+    dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
+    eval_every: int = _opt(1, "evaluate the global model every this many rounds", low=1)
+    seed: int = _opt(0, "seed of the model init, data, sampling, sketches and (simulation) noise", low=0)
+    noise_source: str = _opt("seeded", "client noise: seeded from the run seed (reproducible simulations) or the "
+                                       "OS's secure randomness (deployments)", choices=("seeded", "os"))
+    client_cpus: int = _opt(1, "CPUs per simulated client (Ray)", low=1)
+    client_gpus: float = _opt(0.0, "GPU fraction per simulated client (Ray)", low=0.0, high=1.0)
+
+    @staticmethod
+    def key(name: str) -> str:
+        """The vocabulary's spelling of a field: dashes, as in TOML and Flower's run config."""
+        return name.replace("_", "-")
+
+    @classmethod
+    def keys(cls) -> list[str]:
+        return [cls.key(f.name) for f in fields(cls)]
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], base: RunConfig | None = None) -> RunConfig:
+        """A validated config from vocabulary keys; unspecified keys come from ``base`` (default: defaults)."""
+        by_key = {cls.key(f.name): f for f in fields(cls)}
+        current = dataclasses.asdict(base) if base is not None else {}
+        for key, value in values.items():
+            if key not in by_key:
+                near = difflib.get_close_matches(key, by_key, n=1)
+                raise ValueError(f"Unknown key '{key}'" + (f"; did you mean '{near[0]}'?" if near else "."))
+            current[by_key[key].name] = _convert(key, value, by_key[key].type)
+        config = cls(**current)
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for f in fields(self):
+            value, meta, key = getattr(self, f.name), f.metadata, self.key(f.name)
+            if meta["choices"] and value not in meta["choices"]:
+                raise ValueError(f"{key} must be one of {', '.join(map(str, meta['choices']))}, got '{value}'.")
+            low, high = meta["low"], meta["high"]
+            if low is not None and (value < low or (meta["low_open"] and value == low)):
+                raise ValueError(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
+            if high is not None and value > high:
+                raise ValueError(f"{key} must be <= {high:g}, got {value}.")
+        algorithm = get_algorithm(self.strategy)
+        if self.clients_per_round > self.num_clients:
+            raise ValueError(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
+                             f"({self.num_clients}).")
+        if self.delta >= 1:
+            raise ValueError(f"delta must lie in (0, 1), got {self.delta}.")
+        if self.client_ranks and algorithm.family is not LoRAMode.FLEX:
+            raise ValueError("client-ranks (heterogeneous ranks) needs a FlexLoRA strategy: FFA averages B, "
+                             "which needs one rank.")
+        for r in self.parsed_client_ranks():
+            if not 1 <= r <= self.rank:
+                raise ValueError(f"Every client rank must lie in [1, rank = {self.rank}], got {r}.")
+        if algorithm.private and self.target_epsilon == 0 and self.noise_multiplier == 0:
+            raise ValueError(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
+        if self.threat_model == "secret-sketch" and algorithm.sketched and self.sampling == "poisson":
+            raise ValueError("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
+        if self.dataset == "cifar100" and self.num_classes != 100:
+            raise ValueError("CIFAR-100 has 100 classes: set num-classes = 100.")
+
+    def parsed_client_ranks(self) -> list[int]:
+        try:
+            return [int(r) for r in self.client_ranks.split(",") if r.strip()]
+        except ValueError:
+            raise ValueError(f"client-ranks must be comma-separated whole numbers, got '{self.client_ranks}'.") from None
+
+    def effective_sketch_dim(self) -> int:
+        """b (SGMM) or h (SGMV); 0 means the defaults b = 64 and h = 64 r."""
+        if self.sketch_dim:
+            return self.sketch_dim
+        return 64 * self.rank if get_algorithm(self.strategy).mechanism == "sgmv" else 64
+
+    def to_mapping(self) -> dict[str, Any]:
+        return {self.key(f.name): getattr(self, f.name) for f in fields(self)}
+
+
+def _convert(key: str, value: Any, kind: Any) -> Any:
+    kind = {"int": int, "float": float, "str": str, int: int, float: float, str: str}[kind]
+    if kind is str:
+        return str(value)
+    if isinstance(value, bool):
+        raise ValueError(f"{key} must be a number, got {value}.")
+    try:
+        converted = kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{key} must be {'a whole number' if kind is int else 'a number'}, got '{value}'.") from None
+    if kind is int and isinstance(value, float) and value != converted:
+        raise ValueError(f"{key} must be a whole number, got {value}.")
+    return converted
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """`key=value` as given to --set: the value is read as TOML when it parses, else as a string."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--set takes key=value, got '{text}'.")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def load_config(path: str | Path | None = None, assignments: list[str] | None = None) -> RunConfig:
+    """A TOML preset (its top-level keys, or its [tool.flwr.app.config] table) plus `--set` overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"Config file '{path}' does not exist.")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ValueError(f"Config file '{path}' is not valid TOML ({error}).") from None
+        values = data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
+    for assignment in assignments or []:
+        key, value = parse_assignment(assignment)
+        values[key] = value
+    return RunConfig.from_mapping(values)

@@ -1,0 +1,161 @@
+"""A run, free of Flower: its data, its calibrated noise, its ledger, and what it writes to the run directory
+(the resolved config, metrics.jsonl, the final adapter in PEFT format, accuracy.png).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from fedlora.config import RunConfig
+from fedlora.data import load_cifar100, synthetic_splits, to_torch
+from fedlora.federation import GlobalState, Protocol
+from fedlora.lora import get_adapters, save_adapters
+from fedlora.models import model_spec
+from fedlora.privacy import PrivacyLedger, SamplingScheme, calibrate
+from fedlora.privacy.events import Phase
+from fedlora.training import evaluate, select_device
+
+# Run-config keys that are not part of the experiment's vocabulary (where the ServerApp writes).
+OUT_DIR_KEY = "out-dir"
+
+
+def run_config_of(values: dict[str, Any]) -> RunConfig:
+    """The validated RunConfig of a Flower run config (which also carries ``out-dir``)."""
+    return RunConfig.from_mapping({k: v for k, v in values.items() if k != OUT_DIR_KEY})
+
+
+@lru_cache(maxsize=2)
+def load_splits(config: RunConfig):
+    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100 or the synthetic dataset."""
+    if config.dataset == "cifar100":
+        return load_cifar100("train"), load_cifar100("test")
+    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.num_classes,
+                            seed=config.seed)
+
+
+def sampling_of(config: RunConfig) -> SamplingScheme:
+    if config.sampling == "fixed":
+        return SamplingScheme("fixed", config.num_clients, clients_per_round=config.clients_per_round)
+    return SamplingScheme("poisson", config.num_clients, rate=config.clients_per_round / config.num_clients)
+
+
+def noise_for(config: RunConfig) -> tuple[float, PrivacyLedger | None]:
+    """The noise multiplier (calibrated for target-epsilon over num-rounds, or as given) and an empty ledger."""
+    protocol = Protocol(config, 1.0)
+    if not protocol.algorithm.private:
+        return 0.0, None
+    message = protocol.client_message(protocol.build_model())
+    sampling = sampling_of(config)
+
+    def release(z: float):
+        return Protocol(config, z).mechanism.release_of(message, clients_per_round=config.clients_per_round)
+
+    if config.target_epsilon > 0:
+        z = calibrate(lambda z: [Phase("lora", release(z), sampling, config.num_rounds)],
+                      target_epsilon=config.target_epsilon, delta=config.delta,
+                      threat_model=config.threat_model).noise_multiplier
+    else:
+        z = config.noise_multiplier
+    ledger = PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None)
+    ledger.begin_phase("lora", release(z), sampling)
+    return z, ledger
+
+
+class RunRecorder:
+    """Evaluates the global model as clients reconstruct it, prints one line per round, writes the run directory."""
+
+    def __init__(self, config: RunConfig, protocol: Protocol, out_dir: Path, *, echo=print):
+        self.config, self.protocol, self.out_dir, self.echo = config, protocol, Path(out_dir), echo
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        (self.out_dir / "config.json").write_text(json.dumps(
+            {**config.to_mapping(), "noise-multiplier (used)": protocol.noise_multiplier}, indent=2) + "\n")
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.metrics_path.write_text("")
+        self.model = protocol.build_model().to(select_device())
+        self.base = get_adapters(self.model)
+        self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size)
+        self.started = time.time()
+        self.rows: list[dict] = []
+
+    def evaluate(self, state: GlobalState) -> tuple[float, float]:
+        """Accuracy and loss of the global model, reconstructed exactly as a client would."""
+        self.protocol.load_global(self.model, state, self.base)
+        return evaluate(self.model, self.test)
+
+    def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
+        due = round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds
+        accuracy, loss = self.evaluate(state) if due else (math.nan, math.nan)
+        report = ledger.report() if ledger is not None else None
+        row = {"round": round_, "accuracy": accuracy, "loss": loss,
+               "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
+               "noise_multiplier": self.protocol.noise_multiplier,
+               "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
+               "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
+               "replies": info.get("replies", 0), "bytes_up": info.get("bytes_up", 0),
+               "bytes_down": info.get("bytes_down", 0),
+               "aggregation_seconds": info.get("aggregation_seconds", 0.0),
+               "seconds": time.time() - info.get("started", self.started)}
+        self.rows.append(row)
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.echo(format_progress(row, self.config))
+        return row
+
+    def finish(self, state: GlobalState) -> None:
+        """The final adapter in PEFT format, and accuracy.png."""
+        self.protocol.load_global(self.model, state, self.base)
+        save_adapters(self.model, self.out_dir / "adapter")
+        plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy}, "
+                      f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}")
+
+
+def format_progress(row: dict, config: RunConfig) -> str:
+    """One progress line: round, accuracy, epsilon spent (with its threat model), seconds."""
+    accuracy = f"{row['accuracy']:6.3f}" if not math.isnan(row["accuracy"]) else "     -"
+    eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
+    return (f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  "
+            f"{row['seconds']:.1f} s")
+
+
+def check_before_start(config: RunConfig) -> None:
+    """What can be known to fail before any process starts: data reachability and layer sizes."""
+    from fedlora.hub import offline_requested, unreachable_reason
+    from fedlora.models import adapted_layer_shapes
+
+    if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
+        raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\".")
+    shapes = adapted_layer_shapes(config.model, targets=config.targets).values()
+    smallest = min(min(m, k) for m, k in shapes)
+    if config.rank > smallest:
+        raise ValueError(f"rank {config.rank} exceeds the smallest adapted layer side ({smallest}) of {config.model}.")
+    protocol = Protocol(config, 1.0)
+    if protocol.algorithm.sketched:
+        dim, mech = config.effective_sketch_dim(), protocol.algorithm.mechanism
+        limit = min(m * config.rank if mech == "sgmv" else (min(m, k) if protocol.mode.value == "flex" else m)
+                    for m, k in shapes)
+        if dim > limit:
+            raise ValueError(f"sketch-dim {dim} must lie in [1, {limit}] for {config.strategy} on {config.model}.")
+
+
+def plot_accuracy(rows: list[dict], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(r["round"], r["accuracy"]) for r in rows if not math.isnan(r["accuracy"])]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if points:
+        ax.plot(*zip(*points), marker="o")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,143 @@
+"""One round of the protocol, free of Flower: what a client does with the global adapters, and what the
+server does with the replies. ``strategies`` and ``clients`` are thin Flower glue around this.
+
+The global state is the aggregate of the last round, in sketched space when the mechanism sketches
+(FFA: mean of R B_c; Flex: top-r SVD of the mean of (R B_c)(A_c R_A)), together with the round whose
+sketches produced it. A client de-sketches it with that round's R before training.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fedlora.aggregation import mean_message, redistribute, svd_of_mean_product, truncate
+from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
+from fedlora.config import RunConfig
+from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, set_adapters, set_head,
+                          to_message)
+from fedlora.mechanisms import Message
+from fedlora.sketch import NoSketch, SketchKey, Side, side_of
+from fedlora.training import local_sgd
+
+DENSE = 0  # GlobalState.produced_by for a state that is not sketched
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from named parts (run seed, purpose, round, client), stable across processes."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    message: Message  # "<layer>.lora_B", "<layer>.lora_A" (Flex), head entries; dense or sketched
+    produced_by: int  # the round whose sketches produced ``message``; DENSE if not sketched
+
+
+class Protocol:
+    """The round logic of one run configuration (and its calibrated noise multiplier)."""
+
+    def __init__(self, config: RunConfig, noise_multiplier: float):
+        self.config = config
+        self.algorithm = get_algorithm(config.strategy)
+        self.mode = self.algorithm.family
+        self.noise_multiplier = noise_multiplier
+        self.mechanism = make_mechanism(
+            self.algorithm, clip_norm=config.clip_norm if self.algorithm.private else None,
+            noise_multiplier=noise_multiplier if self.algorithm.private else 0.0,
+            sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model)
+        self.sketch_seed = derive_seed(config.seed, "sketch", config.threat_model)
+
+    # -- models ----------------------------------------------------------------------------------
+    def client_rank(self, partition_id: int) -> int:
+        ranks = self.config.parsed_client_ranks()
+        return ranks[partition_id % len(ranks)] if ranks else self.config.rank
+
+    def build_model(self, rank: int | None = None):
+        """A client's model: the shared seeded backbone with LoRA of ``rank`` (alpha scaled so alpha / r is fixed)."""
+        rank = rank or self.config.rank
+        return build_lora_model(self.config.model, num_classes=self.config.num_classes, rank=rank,
+                                alpha=self.config.lora_alpha * rank / self.config.rank, targets=self.config.targets,
+                                mode=self.mode, seed=self.config.seed, train_head=self.config.head == "message")
+
+    def client_message(self, model) -> Message:
+        """What a client sends before privatizing: B (and A for Flex) of every layer, and the head if trained."""
+        return {**to_message(get_adapters(model), mode=self.mode), **get_head(model)}
+
+    def initial_state(self, model) -> GlobalState:
+        return GlobalState(self.client_message(model), DENSE)
+
+    def key(self, round_: int) -> SketchKey:
+        return SketchKey(self.sketch_seed, round_)
+
+    # -- client side -----------------------------------------------------------------------------
+    def load_global(self, model, state: GlobalState, base: dict[str, LoRAFactors]) -> None:
+        """De-sketches the global state with its round's R, truncates to the client's rank, loads it."""
+        message = state.message
+        if state.produced_by != DENSE:
+            shapes = {}
+            for name in message:
+                layer = name.rsplit(".", 1)[0]
+                if side_of(name) is Side.LEFT:
+                    shapes[name] = (base[layer].B.shape[0], self.config.rank)
+                elif side_of(name) is Side.RIGHT:
+                    shapes[name] = (self.config.rank, base[layer].A.shape[1])
+                else:
+                    shapes[name] = message[name].shape
+            message = self.mechanism.desketch(message, key=self.key(state.produced_by), shapes=shapes)
+        client_rank = next(iter(base.values())).A.shape[0]
+        device = next(model.parameters()).device
+        loaded = {}
+        for layer, (a, b) in from_message({n: t for n, t in message.items() if side_of(n) is not Side.DENSE},
+                                          base).items():
+            if b.shape[1] > client_rank:  # a weaker client takes the top components (FlexLoRA)
+                b, a = truncate(b, a, client_rank)
+            loaded[layer] = LoRAFactors(a.to(device), b.to(device))
+        set_adapters(model, loaded)
+        set_head(model, {n: t.to(device) for n, t in message.items() if side_of(n) is Side.DENSE})
+
+    def local_round(self, model, base: dict[str, LoRAFactors], dataset, state: GlobalState, *, round_: int,
+                    partition_id: int, noise: torch.Generator | None) -> tuple[Message, float]:
+        """One client's round: load the global state, K local SGD steps, clip, privatize. Returns (release, loss)."""
+        self.load_global(model, state, base)
+        generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", round_, partition_id))
+        loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
+                         lr=self.config.lr, generator=generator)
+        message = {n: t.detach().cpu() for n, t in self.client_message(model).items()}
+        return self.mechanism.privatize(message, key=self.key(round_), noise=noise), loss
+
+    def simulation_noise(self, round_: int, partition_id: int) -> torch.Generator:
+        """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
+        return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", round_, partition_id))
+
+    # -- server side -----------------------------------------------------------------------------
+    def aggregate(self, releases: Sequence[Message], round_: int) -> GlobalState:
+        """FFA: the mean of the releases. Flex: the top-r SVD of the mean B A product, per layer, in the
+        releases' space; dense entries (the head) are averaged."""
+        produced_by = DENSE if isinstance(self.mechanism.sketch, NoSketch) else round_
+        if self.mode is LoRAMode.FFA:
+            return GlobalState(mean_message(releases), produced_by)
+        dense = mean_message([{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases])
+        out: Message = {}
+        for name in releases[0]:
+            if side_of(name) is not Side.LEFT:
+                continue
+            layer = name.rsplit(".", 1)[0]
+            bs = [r[f"{layer}.lora_B"].double() for r in releases]
+            as_ = [r[f"{layer}.lora_A"].double() for r in releases]
+            u, s, vt = svd_of_mean_product(bs, as_)
+            b, a = redistribute(u, s, vt, min(self.config.rank, s.numel()), self.config.svd_split)
+            pad = self.config.rank - b.shape[1]  # fewer singular values than r: the rest are zero
+            b, a = torch.nn.functional.pad(b, (0, pad)), torch.nn.functional.pad(a, (0, 0, 0, pad))
+            dtype = releases[0][name].dtype
+            out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(dtype), b.to(dtype)
+        return GlobalState({**out, **dense}, produced_by)
+
+
+def num_bytes(message: Message) -> int:
+    return sum(t.numel() * t.element_size() for t in message.values())

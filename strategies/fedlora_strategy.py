@@ -1,0 +1,108 @@
+"""One Flower strategy (Message API) for all seven algorithms: the protocol in ``fedlora.federation``
+decides FFA vs Flex aggregation and the mechanism; this class samples, talks to the grid and accounts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from logging import INFO, WARNING
+
+import numpy as np
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
+from flwr.supercore import log
+
+from fedlora.federation import GlobalState, Protocol, derive_seed, num_bytes
+from fedlora.privacy import PrivacyLedger, SamplingScheme
+
+
+def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({name: t.detach().cpu().contiguous() for name, t in message.items()})
+
+
+def from_arrays(record: ArrayRecord) -> dict[str, torch.Tensor]:
+    return dict(record.to_torch_state_dict())
+
+
+class FedLoRAStrategy(Strategy):
+    """Samples N of C clients (or Poisson), sends them the global adapters, aggregates their releases.
+
+    Every round in which clients are sampled is recorded in the privacy ledger, whether or not their
+    replies arrive: a sampled client counts as a release.
+    """
+
+    def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
+                 sampling: SamplingScheme):
+        self.protocol = protocol
+        self.state = state
+        self.ledger = ledger
+        self.sampling = sampling
+        self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
+
+    def summary(self) -> None:
+        c = self.protocol.config
+        log(INFO, "\t├── %s: %s", c.strategy, self.protocol.mechanism.describe())
+        log(INFO, "\t└── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
+            self.sampling.q)
+
+    def _sample(self, server_round: int, node_ids: list[int]) -> list[int]:
+        rng = np.random.default_rng(derive_seed(self.protocol.config.seed, "sampling", server_round))
+        if self.sampling.kind.value == "fixed":
+            if len(node_ids) < self.sampling.clients_per_round:
+                raise RuntimeError(f"Only {len(node_ids)} clients are connected; {self.sampling.clients_per_round} "
+                                   "are needed per round.")
+            # indices, not ids: node ids are unsigned 64-bit and would not survive a numpy array
+            chosen = rng.choice(len(node_ids), self.sampling.clients_per_round, replace=False)
+            return [node_ids[i] for i in sorted(chosen)]
+        return [n for n, u in zip(node_ids, rng.random(len(node_ids))) if u < self.sampling.rate]
+
+    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                        grid: Grid) -> Iterable[Message]:
+        sampled = self._sample(server_round, sorted(grid.get_node_ids()))
+        if self.ledger is not None:
+            self.ledger.record_round()
+        c = self.protocol
+        round_config = ConfigRecord({
+            **dict(config), "server-round": server_round, "produced-by": self.state.produced_by,
+            "noise-multiplier": float(c.noise_multiplier),
+            # known-sketch: the round's sketch seed is public; secret-sketch: clients derive it themselves
+            "sketch-seed": int(c.sketch_seed) if c.config.threat_model == "known-sketch" else -1,
+        })
+        self.rounds[server_round] = {"started": time.time(), "sampled": len(sampled),
+                                     "bytes_down": num_bytes(self.state.message)}
+        log(INFO, "configure_train: sampled %s of %s clients", len(sampled), len(list(grid.get_node_ids())))
+        content = RecordDict({"arrays": to_arrays(self.state.message), "config": round_config})
+        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sampled]
+
+    def aggregate_train(self, server_round: int,
+                        replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        replies = list(replies)
+        good = [r for r in replies if r.has_content()]
+        for r in replies:
+            if r.has_error():
+                log(WARNING, "A client failed in round %s: %s", server_round, r.error.reason)
+        # a fixed order (by partition) makes runs reproducible bit for bit
+        good.sort(key=lambda r: int(r.content["metrics"]["partition-id"]))
+        info = self.rounds.setdefault(server_round, {"started": time.time(), "sampled": len(replies), "bytes_down": 0})
+        info.update(replies=len(good), bytes_up=0, train_loss=float("nan"))
+        if not good:
+            log(WARNING, "Round %s: no client replied; the global adapters stay as they were.", server_round)
+            return None, None
+        releases = [from_arrays(r.content["arrays"]) for r in good]
+        started = time.time()
+        self.state = self.protocol.aggregate(releases, server_round)
+        info.update(aggregation_seconds=time.time() - started,
+                    bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
+                    train_loss=float(np.mean([float(r.content["metrics"]["train-loss"]) for r in good])))
+        metrics = MetricRecord({"train-loss": info["train_loss"], "replies": len(good)})
+        return to_arrays(self.state.message), metrics
+
+    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
+                           grid: Grid) -> Iterable[Message]:
+        return []  # the global model is evaluated on the server (see the ServerApp's evaluate_fn)
+
+    def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
+        return None

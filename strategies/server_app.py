@@ -1,0 +1,42 @@
+"""The fedlora ServerApp: calibrate the noise, run the strategy, evaluate, account, write the run directory."""
+
+from __future__ import annotations
+
+import math
+from logging import INFO
+from pathlib import Path
+
+from flwr.app import Context, MetricRecord
+from flwr.serverapp import Grid, ServerApp
+from flwr.supercore import log
+
+from fedlora.experiment import OUT_DIR_KEY, RunRecorder, noise_for, run_config_of, sampling_of
+from fedlora.federation import Protocol
+from strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
+
+app = ServerApp()
+
+
+def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrategy:
+    """Runs the configured federation on ``grid``; returns the strategy (its state, ledger and rounds)."""
+    config = run_config_of(dict(context.run_config))
+    out_dir = Path(str(context.run_config.get(OUT_DIR_KEY, "runs/latest")))
+    noise_multiplier, ledger = noise_for(config)
+    protocol = Protocol(config, noise_multiplier)
+    recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)))
+    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), ledger, sampling_of(config))
+
+    def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:
+        if server_round == 0:
+            return None
+        row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), ledger)
+        return MetricRecord({k: float(row[k]) for k in ("accuracy", "loss", "epsilon") if math.isfinite(row[k])})
+
+    strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds, evaluate_fn=evaluate_fn)
+    recorder.finish(strategy.state)
+    return strategy
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    run_federation(grid, context)

@@ -1,0 +1,65 @@
+import pytest
+
+from fedlora.config import RunConfig, load_config, parse_assignment
+
+
+def test_defaults_are_valid_and_keys_use_the_vocabulary():
+    config = RunConfig()
+    config.validate()
+    for key in ("strategy", "num-clients", "clients-per-round", "sampling", "num-rounds", "local-steps", "batch-size",
+                "lr", "rank", "sketch-dim", "target-epsilon", "delta", "noise-multiplier", "clip-norm", "threat-model",
+                "dataset", "model", "partitioner", "dirichlet-alpha", "eval-every", "seed"):
+        assert key in RunConfig.keys()
+
+
+def test_types_are_converted_and_assignments_parsed():
+    config = RunConfig.from_mapping({"num-clients": "30", "lr": 1, "strategy": "flexlora"})
+    assert config.num_clients == 30 and config.lr == 1.0 and isinstance(config.lr, float)
+    assert parse_assignment("lr=0.1") == ("lr", 0.1)
+    assert parse_assignment("strategy=gm-ffa-lora") == ("strategy", "gm-ffa-lora")
+    assert parse_assignment('model="vit-tiny"') == ("model", "vit-tiny")
+
+
+def test_toml_files_and_flower_tables(tmp_path):
+    plain = tmp_path / "plain.toml"
+    plain.write_text('strategy = "gm-ffa-lora"\nnum-rounds = 3\n')
+    assert load_config(plain, ["num-rounds=5"]).num_rounds == 5
+    flower = tmp_path / "pyproject.toml"
+    flower.write_text('[tool.flwr.app.config]\nstrategy = "flexlora"\n')
+    assert load_config(flower).strategy == "flexlora"
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"num-client": 5}, "Unknown key 'num-client'; did you mean 'num-clients'?"),
+    ({"frobnicate": 1}, "Unknown key 'frobnicate'."),
+    ({"strategy": "fedavg"}, "strategy must be one of"),
+    ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
+    ({"rank": 0}, "rank must be >= 1"),
+    ({"lr": 0}, "lr must be > 0"),
+    ({"delta": 1.5}, "delta must be <= 1"),
+    ({"delta": 1.0}, "delta must lie in (0, 1)"),
+    ({"num-rounds": 2.5}, "num-rounds must be a whole number"),
+    ({"num-rounds": "many"}, "num-rounds must be a whole number"),
+    ({"target-epsilon": 0, "noise-multiplier": 0}, "is private: set target-epsilon"),
+    ({"strategy": "sgmm-ffa-lora", "client-ranks": "4,2"}, "needs a FlexLoRA strategy"),
+    ({"strategy": "flexlora", "client-ranks": "8"}, "must lie in [1, rank = 4]"),
+    ({"strategy": "flexlora", "client-ranks": "a,b"}, "comma-separated whole numbers"),
+    ({"threat-model": "secret-sketch", "sampling": "poisson"}, "fixed-size sampling only"),
+    ({"dataset": "cifar100"}, "CIFAR-100 has 100 classes"),
+    ({"model": "vit-huge"}, "model must be one of"),
+])
+def test_bad_configs_fail_with_one_sentence(values, message):
+    with pytest.raises(ValueError) as error:
+        RunConfig.from_mapping(values)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_bad_files_and_assignments(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("strategy = \n")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_config(broken)
+    with pytest.raises(ValueError, match="key=value"):
+        load_config(None, ["lr"])

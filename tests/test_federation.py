@@ -1,0 +1,94 @@
+"""Whole federations in process (no Ray): every strategy's round trip, the ledger, and learning."""
+
+import json
+
+import pytest
+import torch
+from flwr.app import Context, RecordDict
+from peft import PeftModel
+
+from clients.app import app as client_app
+from fedlora.experiment import noise_for, run_config_of
+from fedlora.federation import DENSE
+from fedlora.models import build_backbone
+from fedlora.privacy import epsilon
+from fedlora.sketch import Side, side_of
+from strategies.server_app import run_federation
+from tests.inprocess import InProcessGrid
+
+SMALL = {"num-clients": 5, "clients-per-round": 3, "num-rounds": 2, "local-steps": 2, "batch-size": 8,
+         "train-examples": 200, "test-examples": 60, "num-classes": 10, "sketch-dim": 16}
+
+
+def _run(tmp_path, **overrides):
+    config = {**SMALL, **{k.replace("_", "-"): v for k, v in overrides.items()}, "out-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app, config["num-clients"], config)
+    strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                            run_config=config), echo=lambda line: None)
+    return strategy, grid, config
+
+
+@pytest.mark.parametrize("strategy_name", ["sgmm-ffa-lora", "sgmv-ffa-lora", "sgmm-flexlora", "gm-ffa-lora",
+                                           "gm-flexlora", "ffa-lora", "flexlora"])
+def test_every_strategy_round_trips(tmp_path, strategy_name):
+    strategy, grid, config = _run(tmp_path, strategy=strategy_name, target_epsilon=10.0)
+    state, protocol = strategy.state, strategy.protocol
+    assert len(grid.calls) == 2 * 3  # N of C clients per round
+    sketched = protocol.algorithm.sketched
+    assert state.produced_by == (2 if sketched else DENSE)
+    for name, t in state.message.items():
+        side = side_of(name)
+        if side is Side.DENSE:
+            assert name.startswith("classifier.")  # the head travels dense, with noise
+        elif strategy_name.startswith("sgmv"):
+            assert t.shape == (16,)  # h
+        elif sketched:
+            assert t.shape == ((16, 4) if side is Side.LEFT else (4, 16))  # R B, A R_A
+        else:
+            assert t.shape == ((192, 4) if side is Side.LEFT else (4, 192))
+    assert any(side_of(n) is Side.RIGHT for n in state.message) == ("flex" in strategy_name)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    for key in ("round", "accuracy", "loss", "epsilon", "delta", "noise_multiplier", "threat_model", "bytes_up",
+                "bytes_down", "seconds"):
+        assert key in rows[-1]
+    assert rows[-1]["bytes_up"] > 0 and rows[-1]["bytes_down"] > 0
+    assert (tmp_path / "accuracy.png").stat().st_size > 0
+    loaded = PeftModel.from_pretrained(build_backbone("vit-tiny", num_classes=10), str(tmp_path / "adapter"))
+    assert loaded is not None
+    if protocol.algorithm.private:
+        # the ledger after T rounds equals the accountant's epsilon for the same parameters, within the budget
+        ledger = strategy.ledger
+        expected = epsilon(ledger.phases, delta=1e-5, threat_model="known-sketch").epsilon
+        assert rows[-1]["epsilon"] == pytest.approx(expected) and expected <= 10.0
+        assert rows[-1]["noise_multiplier"] == pytest.approx(noise_for(run_config_of(config))[0])
+    else:
+        assert rows[-1]["epsilon"] == float("inf") and "not private" in rows[-1]["threat_model"]
+
+
+def test_flexlora_with_heterogeneous_client_ranks(tmp_path):
+    strategy, _, _ = _run(tmp_path, strategy="flexlora", client_ranks="4,2,1")
+    b = next(t for n, t in strategy.state.message.items() if side_of(n) is Side.LEFT)
+    assert b.shape == (192, 4)
+
+
+def test_secret_sketch_run_accounts_the_joint_release(tmp_path):
+    strategy, _, _ = _run(tmp_path, strategy="sgmm-ffa-lora", threat_model="secret-sketch", target_epsilon=10.0)
+    parts = strategy.ledger.phases[0].release
+    assert parts[0].clients_per_round == 3 and parts[0].sketch_dim == 16
+    assert len(parts) == 2  # the dense head is composed as a Gaussian release
+
+
+def test_a_dead_client_does_not_stop_the_round_but_still_counts(tmp_path):
+    config = {**SMALL, "strategy": "gm-ffa-lora", "target-epsilon": 10.0, "out-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app, 5, config, fail={1, 2, 3, 4, 5})
+    strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                            run_config=config), echo=lambda line: None)
+    assert strategy.ledger.rounds == 2  # sampled clients count as releases even without a reply
+
+
+def test_non_private_ffa_lora_learns_above_chance(tmp_path):
+    strategy, _, _ = _run(tmp_path, strategy="ffa-lora", num_clients=4, clients_per_round=4, num_rounds=4,
+                          local_steps=8, batch_size=16, train_examples=800, test_examples=200, lr=0.1)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
