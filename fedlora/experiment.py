@@ -110,8 +110,10 @@ class RunRecorder:
         """The final adapter in PEFT format, and accuracy.png."""
         self.protocol.load_global(self.model, state, self.base)
         save_adapters(self.model, self.out_dir / "adapter")
-        plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy}, "
-                      f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}")
+        privacy = (f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}, "
+                   f"epsilon = {self.rows[-1]['epsilon']:.3g}" if self.protocol.algorithm.private else "not private")
+        plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
+                      chance=1 / self.config.num_classes)
 
 
 def format_progress(row: dict, config: RunConfig) -> str:
@@ -142,7 +144,7 @@ def check_before_start(config: RunConfig) -> None:
             raise ValueError(f"sketch-dim {dim} must lie in [1, {limit}] for {config.strategy} on {config.model}.")
 
 
-def plot_accuracy(rows: list[dict], path: Path, *, title: str) -> None:
+def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -151,7 +153,9 @@ def plot_accuracy(rows: list[dict], path: Path, *, title: str) -> None:
     points = [(r["round"], r["accuracy"]) for r in rows if not math.isnan(r["accuracy"])]
     fig, ax = plt.subplots(figsize=(6, 4))
     if points:
-        ax.plot(*zip(*points), marker="o")
+        ax.plot(*zip(*points), marker="o", label="global model")
+    ax.axhline(chance, color="gray", linestyle="--", label="chance")
+    ax.legend(loc="best")
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
     ax.set_title(title, fontsize=10)

@@ -61,7 +61,12 @@ class FedLoRAStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        sampled = self._sample(server_round, sorted(grid.get_node_ids()))
+        node_ids = sorted(grid.get_node_ids())
+        if len(node_ids) != self.sampling.num_clients:  # the accountant's C must be the federation's
+            raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
+                               f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
+                               f"\"num-supernodes={self.sampling.num_clients}\").")
+        sampled = self._sample(server_round, node_ids)
         if self.ledger is not None:
             self.ledger.record_round()
         c = self.protocol
@@ -73,7 +78,7 @@ class FedLoRAStrategy(Strategy):
         })
         self.rounds[server_round] = {"started": time.time(), "sampled": len(sampled),
                                      "bytes_down": num_bytes(self.state.message)}
-        log(INFO, "configure_train: sampled %s of %s clients", len(sampled), len(list(grid.get_node_ids())))
+        log(INFO, "configure_train: sampled %s of %s clients", len(sampled), len(node_ids))
         content = RecordDict({"arrays": to_arrays(self.state.message), "config": round_config})
         return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sampled]
 

@@ -63,3 +63,16 @@ def test_bad_files_and_assignments(tmp_path):
         load_config(broken)
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["lr"])
+
+
+def test_one_vocabulary_everywhere():
+    """pyproject's Flower run config and the quickstart preset are the defaults, key for key."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    flower = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+    assert {k: v for k, v in flower.items() if k != "out-dir"} == RunConfig().to_mapping()
+    assert load_config(root / "configs" / "quickstart.toml") == RunConfig()
+    paper = load_config(root / "configs" / "paper_cifar100.toml")
+    assert (paper.num_clients, paper.clients_per_round, paper.num_rounds, paper.sketch_dim) == (625, 4, 400, 150)
