@@ -47,7 +47,7 @@ def _partition(config: RunConfig, partition_id: int, num_partitions: int):
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(context.run_config)
     round_config = msg.content["config"]
-    protocol = Protocol(config, float(round_config["noise-multiplier"]))
+    protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
     if config.threat_model == "known-sketch":
         protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
     partition_id = int(context.node_config["partition-id"])

@@ -202,15 +202,16 @@ def run(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.set)
     check_before_start(config)
-    noise_multiplier, ledger = noise_for(config)  # raises for an unreachable target epsilon
+    plan = noise_for(config)  # raises for an unreachable target epsilon
     out_dir = Path(args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
-    mechanism = Protocol(config, noise_multiplier).mechanism
+    protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     print(f"fedlora run: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} clients, "
           f"{config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
-    print(f"  mechanism: {mechanism.describe()}")
-    if ledger is not None:
-        planned = ledger.report(extra_rounds=config.num_rounds)
-        print(f"  privacy: {planned.describe()} after {config.num_rounds} rounds")
+    if config.linear_probe_rounds():
+        print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
+    print(f"  mechanism: {protocol.mechanism.describe()}")
+    if plan.planned is not None:
+        print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
     rows = run_simulation(config, out_dir)
     last = rows[-1]
     print(f"done: accuracy {last['accuracy']:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")

@@ -24,7 +24,7 @@ from fedlora.data import PARTITIONER_KINDS
 from fedlora.models import MODELS
 
 DATASETS = ("synthetic", "cifar100")
-HEAD_MODES = ("message", "frozen")
+HEAD_MODES = ("message", "probe", "frozen")
 
 
 def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
@@ -56,8 +56,12 @@ class RunConfig:
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm, used when target-epsilon is 0", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
-    head: str = _opt("message", "classifier head: trained inside the private message, or frozen",
+    head: str = _opt("message", "classifier head: trained inside the private message; trained first in a "
+                                "private linear-probe phase, then frozen; or frozen at its seeded init",
                      choices=HEAD_MODES)
+    probe_rounds: int = _opt(0, "head = probe: linear-probe rounds before LoRA (0: 20% of num-rounds)", low=0)
+    probe_budget: float = _opt(0.2, "head = probe: share of target-epsilon spent by the probe phase", low=0.0,
+                               high=1.0, low_open=True)
     dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline) or CIFAR-100 from the hub",
                         choices=DATASETS)
     num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
@@ -122,8 +126,17 @@ class RunConfig:
             raise ValueError(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
         if self.threat_model == "secret-sketch" and algorithm.sketched and self.sampling == "poisson":
             raise ValueError("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
+        if self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
+            raise ValueError(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
+                             "LoRA rounds after it.")
         if self.dataset == "cifar100" and self.num_classes != 100:
             raise ValueError("CIFAR-100 has 100 classes: set num-classes = 100.")
+
+    def linear_probe_rounds(self) -> int:
+        """Rounds of the private linear-probe phase (head = probe), else 0."""
+        if self.head != "probe":
+            return 0
+        return self.probe_rounds or max(1, round(0.2 * self.num_rounds))
 
     def parsed_client_ranks(self) -> list[int]:
         try:

@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from fedlora.config import RunConfig
 from fedlora.data import load_cifar100, synthetic_splits, to_torch
-from fedlora.federation import GlobalState, Protocol
+from fedlora.federation import LORA, PROBE, GlobalState, Protocol
 from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
-from fedlora.privacy import PrivacyLedger, SamplingScheme, calibrate
+from fedlora.mechanisms import gaussian_mechanism
+from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.events import Phase
 from fedlora.training import evaluate, select_device
 
@@ -44,26 +46,55 @@ def sampling_of(config: RunConfig) -> SamplingScheme:
     return SamplingScheme("poisson", config.num_clients, rate=config.clients_per_round / config.num_clients)
 
 
-def noise_for(config: RunConfig) -> tuple[float, PrivacyLedger | None]:
-    """The noise multiplier (calibrated for target-epsilon over num-rounds, or as given) and an empty ledger."""
-    protocol = Protocol(config, 1.0)
+@dataclass(frozen=True)
+class NoisePlan:
+    """The noise of a run and what each phase releases per round (for the strategy's ledger)."""
+
+    noise_multiplier: float  # LoRA rounds
+    probe_noise_multiplier: float  # linear-probe rounds (head = probe)
+    releases: dict  # phase -> one round's release
+    planned: PrivacyReport | None  # the guarantee after all rounds; None if not private
+
+    def new_ledger(self, config: RunConfig) -> PrivacyLedger | None:
+        if self.planned is None:
+            return None
+        return PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None)
+
+
+def noise_for(config: RunConfig) -> NoisePlan:
+    """Noise multipliers calibrated for target-epsilon over num-rounds (or as given).
+
+    With a linear probe the probe phase alone is calibrated to ``probe-budget`` of the target, then
+    the LoRA phase to what the composition of both leaves.
+    """
+    protocol = Protocol(config, 1.0, 1.0)
     if not protocol.algorithm.private:
-        return 0.0, None
-    message = protocol.client_message(protocol.build_model())
-    sampling = sampling_of(config)
+        return NoisePlan(0.0, 0.0, {}, None)
+    model = protocol.build_model()
+    sampling, n = sampling_of(config), config.clients_per_round
+    probe_rounds = config.linear_probe_rounds()
+    head = protocol.client_message(model, PROBE)
 
-    def release(z: float):
-        return Protocol(config, z).mechanism.release_of(message, clients_per_round=config.clients_per_round)
+    def probe_release(z: float):
+        return gaussian_mechanism(clip_norm=config.clip_norm, noise_multiplier=z).release_of(head, clients_per_round=n)
 
+    def lora_release(z: float):
+        return Protocol(config, z).mechanism.release_of(protocol.client_message(model, LORA), clients_per_round=n)
+
+    def phases(z_probe: float, z_lora: float) -> list[Phase]:
+        probe = [Phase(PROBE, probe_release(z_probe), sampling, probe_rounds)] if probe_rounds else []
+        return [*probe, Phase(LORA, lora_release(z_lora), sampling, config.num_rounds - probe_rounds)]
+
+    threat = config.threat_model
     if config.target_epsilon > 0:
-        z = calibrate(lambda z: [Phase("lora", release(z), sampling, config.num_rounds)],
-                      target_epsilon=config.target_epsilon, delta=config.delta,
-                      threat_model=config.threat_model).noise_multiplier
+        z_probe = calibrate(lambda z: phases(z, 1.0)[:1], target_epsilon=config.probe_budget * config.target_epsilon,
+                            delta=config.delta, threat_model=threat).noise_multiplier if probe_rounds else 0.0
+        z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon, delta=config.delta,
+                           threat_model=threat).noise_multiplier
     else:
-        z = config.noise_multiplier
-    ledger = PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None)
-    ledger.begin_phase("lora", release(z), sampling)
-    return z, ledger
+        z_probe = z_lora = config.noise_multiplier
+    planned = epsilon(phases(z_probe, z_lora), delta=config.delta, threat_model=threat)
+    return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, planned)
 
 
 class RunRecorder:
@@ -73,7 +104,8 @@ class RunRecorder:
         self.config, self.protocol, self.out_dir, self.echo = config, protocol, Path(out_dir), echo
         self.out_dir.mkdir(parents=True, exist_ok=True)
         (self.out_dir / "config.json").write_text(json.dumps(
-            {**config.to_mapping(), "noise-multiplier (used)": protocol.noise_multiplier}, indent=2) + "\n")
+            {**config.to_mapping(), "noise-multiplier (used)": protocol.noise_multiplier,
+             "probe-noise-multiplier (used)": protocol.probe_noise_multiplier}, indent=2) + "\n")
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.metrics_path.write_text("")
         self.model = protocol.build_model().to(select_device())
@@ -91,7 +123,7 @@ class RunRecorder:
         due = round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds
         accuracy, loss = self.evaluate(state) if due else (math.nan, math.nan)
         report = ledger.report() if ledger is not None else None
-        row = {"round": round_, "accuracy": accuracy, "loss": loss,
+        row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": accuracy, "loss": loss,
                "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
                "noise_multiplier": self.protocol.noise_multiplier,
                "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from fedlora.aggregation import mean_message, redistribute, svd_of_mean_product, truncate
 from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
+from fedlora.mechanisms import gaussian_mechanism
 from fedlora.config import RunConfig
 from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, set_adapters, set_head,
                           to_message)
@@ -25,6 +26,7 @@ from fedlora.sketch import NoSketch, SketchKey, Side, side_of
 from fedlora.training import local_sgd
 
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
+PROBE, LORA = "linear-probe", "lora"  # the phases of a run
 
 
 def derive_seed(*parts: int | str) -> int:
@@ -42,16 +44,34 @@ class GlobalState:
 class Protocol:
     """The round logic of one run configuration (and its calibrated noise multiplier)."""
 
-    def __init__(self, config: RunConfig, noise_multiplier: float):
+    def __init__(self, config: RunConfig, noise_multiplier: float, probe_noise_multiplier: float = 0.0):
         self.config = config
         self.algorithm = get_algorithm(config.strategy)
         self.mode = self.algorithm.family
         self.noise_multiplier = noise_multiplier
+        self.probe_noise_multiplier = probe_noise_multiplier
+        clip = config.clip_norm if self.algorithm.private else None
         self.mechanism = make_mechanism(
-            self.algorithm, clip_norm=config.clip_norm if self.algorithm.private else None,
-            noise_multiplier=noise_multiplier if self.algorithm.private else 0.0,
+            self.algorithm, clip_norm=clip, noise_multiplier=noise_multiplier if self.algorithm.private else 0.0,
             sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model)
+        # The linear probe releases the dense head: the Gaussian mechanism (or none, for non-private strategies).
+        self.probe_mechanism = (gaussian_mechanism(clip_norm=clip, noise_multiplier=probe_noise_multiplier)
+                                if self.algorithm.private else self.mechanism)
         self.sketch_seed = derive_seed(config.seed, "sketch", config.threat_model)
+
+    # -- phases (head = probe: a private linear probe, then LoRA with the head frozen) -------------
+    def phase(self, round_: int) -> str:
+        return PROBE if round_ <= self.config.linear_probe_rounds() else LORA
+
+    def mechanism_for(self, round_: int):
+        return self.probe_mechanism if self.phase(round_) == PROBE else self.mechanism
+
+    def _set_trainable(self, model, phase: str) -> None:
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.requires_grad_(phase == LORA and (self.mode is LoRAMode.FLEX or "lora_B" in name))
+            elif "modules_to_save" in name:
+                param.requires_grad_(phase == PROBE or self.config.head == "message")
 
     # -- models ----------------------------------------------------------------------------------
     def client_rank(self, partition_id: int) -> int:
@@ -63,14 +83,18 @@ class Protocol:
         rank = rank or self.config.rank
         return build_lora_model(self.config.model, num_classes=self.config.num_classes, rank=rank,
                                 alpha=self.config.lora_alpha * rank / self.config.rank, targets=self.config.targets,
-                                mode=self.mode, seed=self.config.seed, train_head=self.config.head == "message")
+                                mode=self.mode, seed=self.config.seed, train_head=self.config.head != "frozen")
 
-    def client_message(self, model) -> Message:
-        """What a client sends before privatizing: B (and A for Flex) of every layer, and the head if trained."""
-        return {**to_message(get_adapters(model), mode=self.mode), **get_head(model)}
+    def client_message(self, model, phase: str = LORA) -> Message:
+        """What a client sends before privatizing: in LoRA rounds B (and A for Flex) of every layer, and the head
+        if it trains with them; in linear-probe rounds the head alone."""
+        if phase == PROBE:
+            return get_head(model)
+        adapters = to_message(get_adapters(model), mode=self.mode)
+        return {**adapters, **get_head(model)} if self.config.head == "message" else adapters
 
     def initial_state(self, model) -> GlobalState:
-        return GlobalState(self.client_message(model), DENSE)
+        return GlobalState({**to_message(get_adapters(model), mode=self.mode), **get_head(model)}, DENSE)
 
     def key(self, round_: int) -> SketchKey:
         return SketchKey(self.sketch_seed, round_)
@@ -105,23 +129,28 @@ class Protocol:
                     partition_id: int, noise: torch.Generator | None) -> tuple[Message, float]:
         """One client's round: load the global state, K local SGD steps, clip, privatize. Returns (release, loss)."""
         self.load_global(model, state, base)
+        phase = self.phase(round_)
+        self._set_trainable(model, phase)
         generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", round_, partition_id))
         loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
                          lr=self.config.lr, generator=generator)
-        message = {n: t.detach().cpu() for n, t in self.client_message(model).items()}
-        return self.mechanism.privatize(message, key=self.key(round_), noise=noise), loss
+        message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
+        return self.mechanism_for(round_).privatize(message, key=self.key(round_), noise=noise), loss
 
     def simulation_noise(self, round_: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
         return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", round_, partition_id))
 
     # -- server side -----------------------------------------------------------------------------
-    def aggregate(self, releases: Sequence[Message], round_: int) -> GlobalState:
+    def aggregate(self, releases: Sequence[Message], round_: int, previous: GlobalState) -> GlobalState:
         """FFA: the mean of the releases. Flex: the top-r SVD of the mean B A product, per layer, in the
-        releases' space; dense entries (the head) are averaged."""
+        releases' space; dense entries (the head) are averaged. Entries no client sent (the adapters
+        during a linear probe, the frozen head after it) stay as they were."""
+        if self.phase(round_) == PROBE:
+            return GlobalState({**previous.message, **mean_message(releases)}, previous.produced_by)
         produced_by = DENSE if isinstance(self.mechanism.sketch, NoSketch) else round_
         if self.mode is LoRAMode.FFA:
-            return GlobalState(mean_message(releases), produced_by)
+            return GlobalState({**previous.message, **mean_message(releases)}, produced_by)
         dense = mean_message([{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases])
         out: Message = {}
         for name in releases[0]:
@@ -136,7 +165,7 @@ class Protocol:
             b, a = torch.nn.functional.pad(b, (0, pad)), torch.nn.functional.pad(a, (0, 0, 0, pad))
             dtype = releases[0][name].dtype
             out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(dtype), b.to(dtype)
-        return GlobalState({**out, **dense}, produced_by)
+        return GlobalState({**previous.message, **out, **dense}, produced_by)
 
 
 def num_bytes(message: Message) -> int:

@@ -35,11 +35,12 @@ class FedLoRAStrategy(Strategy):
     """
 
     def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
-                 sampling: SamplingScheme):
+                 sampling: SamplingScheme, releases: dict):
         self.protocol = protocol
         self.state = state
         self.ledger = ledger
         self.sampling = sampling
+        self.releases = releases  # phase -> what one round releases, for the ledger
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
 
     def summary(self) -> None:
@@ -67,12 +68,16 @@ class FedLoRAStrategy(Strategy):
                                f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
                                f"\"num-supernodes={self.sampling.num_clients}\").")
         sampled = self._sample(server_round, node_ids)
+        phase = self.protocol.phase(server_round)
         if self.ledger is not None:
+            if not self.ledger.phases or self.ledger.phases[-1].name != phase:
+                self.ledger.begin_phase(phase, self.releases[phase], self.sampling)
             self.ledger.record_round()
         c = self.protocol
         round_config = ConfigRecord({
             **dict(config), "server-round": server_round, "produced-by": self.state.produced_by,
             "noise-multiplier": float(c.noise_multiplier),
+            "probe-noise-multiplier": float(c.probe_noise_multiplier),
             # known-sketch: the round's sketch seed is public; secret-sketch: clients derive it themselves
             "sketch-seed": int(c.sketch_seed) if c.config.threat_model == "known-sketch" else -1,
         })
@@ -98,7 +103,7 @@ class FedLoRAStrategy(Strategy):
             return None, None
         releases = [from_arrays(r.content["arrays"]) for r in good]
         started = time.time()
-        self.state = self.protocol.aggregate(releases, server_round)
+        self.state = self.protocol.aggregate(releases, server_round, self.state)
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
                     train_loss=float(np.mean([float(r.content["metrics"]["train-loss"]) for r in good])))

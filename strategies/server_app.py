@@ -21,10 +21,12 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     """Runs the configured federation on ``grid``; returns the strategy (its state, ledger and rounds)."""
     config = run_config_of(dict(context.run_config))
     out_dir = Path(str(context.run_config.get(OUT_DIR_KEY, "runs/latest")))
-    noise_multiplier, ledger = noise_for(config)
-    protocol = Protocol(config, noise_multiplier)
+    plan = noise_for(config)
+    ledger = plan.new_ledger(config)
+    protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)))
-    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), ledger, sampling_of(config))
+    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), ledger, sampling_of(config),
+                               plan.releases)
 
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:
         if server_round == 0:

@@ -61,7 +61,7 @@ def test_every_strategy_round_trips(tmp_path, strategy_name):
         ledger = strategy.ledger
         expected = epsilon(ledger.phases, delta=1e-5, threat_model="known-sketch").epsilon
         assert rows[-1]["epsilon"] == pytest.approx(expected) and expected <= 10.0
-        assert rows[-1]["noise_multiplier"] == pytest.approx(noise_for(run_config_of(config))[0])
+        assert rows[-1]["noise_multiplier"] == pytest.approx(noise_for(run_config_of(config)).noise_multiplier)
     else:
         assert rows[-1]["epsilon"] == float("inf") and "not private" in rows[-1]["threat_model"]
 
@@ -92,3 +92,31 @@ def test_non_private_ffa_lora_learns_above_chance(tmp_path):
                           local_steps=8, batch_size=16, train_examples=800, test_examples=200, lr=0.1)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_linear_probe_then_lora_composes_two_phases(tmp_path):
+    strategy, _, _ = _run(tmp_path, strategy="sgmm-ffa-lora", head="probe", num_rounds=3, probe_rounds=1,
+                          target_epsilon=10.0)
+    ledger = strategy.ledger
+    assert [(p.name, p.rounds) for p in ledger.phases] == [("linear-probe", 1), ("lora", 2)]
+    assert ledger.epsilon <= 10.0
+    probe_alone = epsilon(ledger.phases[:1], delta=1e-5, threat_model="known-sketch").epsilon
+    assert probe_alone == pytest.approx(0.2 * 10.0, rel=0.01)  # about 20% of the budget goes to the probe
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in rows] == ["linear-probe", "lora", "lora"]
+    # after the probe the head is frozen: LoRA releases carry adapters only, the head stays in the global state
+    head = {n: t for n, t in strategy.state.message.items() if n.startswith("classifier.")}
+    assert head and all(torch.isfinite(t).all() for t in head.values())
+
+
+def test_probe_phase_trains_only_the_head(tmp_path):
+    strategy, _, _ = _run(tmp_path, strategy="ffa-lora", head="probe", num_rounds=2, probe_rounds=1)
+    protocol = strategy.protocol
+    assert protocol.phase(1) == "linear-probe" and protocol.phase(2) == "lora"
+    model = protocol.build_model()
+    protocol._set_trainable(model, "linear-probe")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("modules_to_save" in n for n in trainable)
+    protocol._set_trainable(model, "lora")
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_B" in n for n in trainable)
