@@ -57,9 +57,10 @@ def train(msg: Message, context: Context) -> Message:
                         int(round_config["produced-by"]))
     round_ = int(round_config["server-round"])
     noise = protocol.simulation_noise(round_, partition_id) if config.noise_source == "seeded" else None
-    release, loss = protocol.local_round(model, base, _partition(config, partition_id, num_partitions), state,
-                                         round_=round_, partition_id=partition_id, noise=noise)
-    metrics = MetricRecord({"train-loss": float(loss), "partition-id": partition_id,
-                            "bytes-up": num_bytes(release)})
-    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
+    result = protocol.local_round(model, base, _partition(config, partition_id, num_partitions), state,
+                                  round_=round_, partition_id=partition_id, noise=noise)
+    metrics = MetricRecord({"train-loss": float(result.train_loss), "partition-id": partition_id,
+                            "bytes-up": num_bytes(result.release), "train-seconds": result.train_seconds,
+                            "privatize-seconds": result.privatize_seconds})
+    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in result.release.items()}),
                                "metrics": metrics}), reply_to=msg)

@@ -131,10 +131,13 @@ class RunRecorder:
                "replies": info.get("replies", 0), "bytes_up": info.get("bytes_up", 0),
                "bytes_down": info.get("bytes_down", 0),
                "aggregation_seconds": info.get("aggregation_seconds", 0.0),
+               "client_train_seconds": info.get("train_seconds", math.nan),
+               "client_privatize_seconds": info.get("privatize_seconds", math.nan),
                "seconds": time.time() - info.get("started", self.started)}
         self.rows.append(row)
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        with self.metrics_path.open("a") as f:  # strict JSON: null where a round has no value
+            f.write(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()},
+                               allow_nan=True) + "\n")
         self.echo(format_progress(row, self.config))
         return row
 
@@ -150,7 +153,8 @@ class RunRecorder:
 
 def format_progress(row: dict, config: RunConfig) -> str:
     """One progress line: round, accuracy, epsilon spent (with its threat model), seconds."""
-    accuracy = f"{row['accuracy']:6.3f}" if not math.isnan(row["accuracy"]) else "     -"
+    measured = row["accuracy"] is not None and not math.isnan(row["accuracy"])
+    accuracy = f"{row['accuracy']:6.3f}" if measured else "     -"
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
     return (f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  "
             f"{row['seconds']:.1f} s")

@@ -9,6 +9,7 @@ sketches produced it. A client de-sketches it with that round's R before trainin
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +40,14 @@ def derive_seed(*parts: int | str) -> int:
 class GlobalState:
     message: Message  # "<layer>.lora_B", "<layer>.lora_A" (Flex), head entries; dense or sketched
     produced_by: int  # the round whose sketches produced ``message``; DENSE if not sketched
+
+
+@dataclass(frozen=True)
+class ClientRound:
+    release: Message  # what the client sends
+    train_loss: float
+    train_seconds: float  # loading the global state and K local steps
+    privatize_seconds: float  # clip + sketch + noise
 
 
 class Protocol:
@@ -126,16 +135,19 @@ class Protocol:
         set_head(model, {n: t.to(device) for n, t in message.items() if side_of(n) is Side.DENSE})
 
     def local_round(self, model, base: dict[str, LoRAFactors], dataset, state: GlobalState, *, round_: int,
-                    partition_id: int, noise: torch.Generator | None) -> tuple[Message, float]:
-        """One client's round: load the global state, K local SGD steps, clip, privatize. Returns (release, loss)."""
+                    partition_id: int, noise: torch.Generator | None) -> ClientRound:
+        """One client's round: load the global state, K local SGD steps, clip, privatize."""
+        started = time.perf_counter()
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
         generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", round_, partition_id))
         loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
                          lr=self.config.lr, generator=generator)
+        trained = time.perf_counter()
         message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
-        return self.mechanism_for(round_).privatize(message, key=self.key(round_), noise=noise), loss
+        release = self.mechanism_for(round_).privatize(message, key=self.key(round_), noise=noise)
+        return ClientRound(release, loss, trained - started, time.perf_counter() - trained)
 
     def simulation_noise(self, round_: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""

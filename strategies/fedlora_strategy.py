@@ -106,7 +106,8 @@ class FedLoRAStrategy(Strategy):
         self.state = self.protocol.aggregate(releases, server_round, self.state)
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
-                    train_loss=float(np.mean([float(r.content["metrics"]["train-loss"]) for r in good])))
+                    **{key.replace("-", "_"): float(np.mean([float(r.content["metrics"][key]) for r in good]))
+                       for key in ("train-loss", "train-seconds", "privatize-seconds")})
         metrics = MetricRecord({"train-loss": info["train_loss"], "replies": len(good)})
         return to_arrays(self.state.message), metrics
 

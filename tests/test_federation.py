@@ -14,7 +14,7 @@ from fedlora.models import build_backbone
 from fedlora.privacy import epsilon
 from fedlora.sketch import Side, side_of
 from strategies.server_app import run_federation
-from tests.inprocess import InProcessGrid
+from strategies.inprocess_grid import InProcessGrid
 
 SMALL = {"num-clients": 5, "clients-per-round": 3, "num-rounds": 2, "local-steps": 2, "batch-size": 8,
          "train-examples": 200, "test-examples": 60, "num-classes": 10, "sketch-dim": 16}

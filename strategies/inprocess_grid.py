@@ -1,4 +1,7 @@
-"""A Grid that runs a ClientApp in this process: whole federations in seconds, without Ray or a SuperLink."""
+"""A Grid that runs a ClientApp in this process: whole federations without Ray or a SuperLink.
+
+For tests, benchmarks and debugging: the same ServerApp and ClientApp code as a real run, one process.
+"""
 
 from __future__ import annotations
 
