@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 from dp_accounting import dp_event
@@ -114,19 +115,26 @@ def _amplified_rdp(release: Sequence[Release], sampling: SamplingScheme, orders:
 
 
 def phase_rdp(phase: Phase, orders: np.ndarray = ORDERS) -> np.ndarray:
-    """Total RDP of a phase's rounds at ``orders``."""
+    """Total RDP of a phase's rounds at ``orders``: identical rounds compose linearly in RDP."""
     if phase.rounds == 0:
         return np.zeros_like(orders)
-    if any(isinstance(part, NonPrivateRelease) or part.noise_multiplier == 0 for part in phase.release):
+    return phase.rounds * _round_rdp(phase.release, phase.sampling, tuple(orders))
+
+
+@lru_cache(maxsize=256)
+def _round_rdp(release: tuple[Release, ...], sampling: SamplingScheme, orders: tuple[float, ...]) -> np.ndarray:
+    """RDP of one round (cached: a run's ledger asks for the same round every round)."""
+    orders = np.asarray(orders)
+    if any(isinstance(part, NonPrivateRelease) or part.noise_multiplier == 0 for part in release):
         return np.full_like(orders, np.inf)
-    if _all_gaussian(phase.release):
-        accountant = rdp.RdpAccountant(list(orders), _relation(phase.sampling))
-        accountant.compose(gaussian_event(phase.release, phase.sampling), phase.rounds)
+    if _all_gaussian(release):
+        accountant = rdp.RdpAccountant(list(orders), _relation(sampling))
+        accountant.compose(gaussian_event(release, sampling), 1)
         return np.asarray(accountant._rdp, dtype=float)  # dp-accounting keeps the composed RDP here
-    if phase.sampling.kind is Sampling.POISSON:
+    if sampling.kind is Sampling.POISSON:
         raise ValueError("Secret-sketch accounting supports fixed-size sampling only: the shared-sketch bound "
                          "needs the number of clients per round, which Poisson sampling does not fix.")
-    return phase.rounds * _amplified_rdp(phase.release, phase.sampling, orders)
+    return _amplified_rdp(release, sampling, orders)
 
 
 def _pld_epsilon(phases: Sequence[Phase], delta: float) -> float | None:
