@@ -13,12 +13,14 @@ import argparse
 import csv
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS, command_line, machine
 from fedlora.algorithms import ALGORITHMS
-from fedlora.config import load_config, parse_assignment
+from fedlora.config import load_config
+from fedlora.experiment import check_before_start
 from fedlora.simulation import run_simulation
 
 PRESETS = {"cpu": None, "paper": Path(__file__).resolve().parents[1] / "configs" / "paper_cifar100.toml"}
@@ -29,6 +31,14 @@ def _mean_std(values: list[float]) -> str:
 
 
 def main() -> None:
+    try:
+        compare()
+    except ValueError as error:  # bad input, an unreachable target, data or weights offline: one line
+        print(f"compare_strategies: error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def compare() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=list(PRESETS), default="cpu")
     parser.add_argument("--strategies", default=",".join(ALGORITHMS), help="comma-separated")
@@ -38,15 +48,24 @@ def main() -> None:
     args = parser.parse_args()
     sweep_key, sweep_values = (args.sweep.split("=", 1)[0], args.sweep.split("=", 1)[1].split(",")) if args.sweep \
         else (None, [None])
+    configs = {}
+    for value in sweep_values:  # every run's config is checked before the first starts
+        for strategy in args.strategies.split(","):
+            if strategy not in ALGORITHMS:
+                raise ValueError(f"Unknown strategy '{strategy}'; choose from {', '.join(ALGORITHMS)}.")
+            for seed in args.seeds.split(","):
+                overrides = [f"strategy={strategy}", f"seed={seed}", *args.set]
+                if sweep_key:
+                    overrides.append(f"{sweep_key}={value}")
+                config = load_config(PRESETS[args.preset], overrides)
+                check_before_start(config)
+                configs[strategy, seed, value] = config
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for value in sweep_values:
             for strategy in args.strategies.split(","):
                 for seed in args.seeds.split(","):
-                    overrides = [f"strategy={strategy}", f"seed={seed}", *args.set]
-                    if sweep_key:
-                        overrides.append(f"{sweep_key}={value}")
-                    config = load_config(PRESETS[args.preset], overrides)
+                    config = configs[strategy, seed, value]
                     out = Path(tmp) / f"{strategy}-{seed}-{value}"
                     print(f"== {strategy}, seed {seed}" + (f", {sweep_key} = {value}" if sweep_key else ""), flush=True)
                     rows = run_simulation(config, out, echo=lambda line: print("   ", line, flush=True))
