@@ -142,6 +142,9 @@ class Protocol:
         phase = self.phase(round_)
         self._set_trainable(model, phase)
         generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", round_, partition_id))
+        # the training transform's random flips draw from torch's global generator: seed it per client round,
+        # or runs with the same seed differ with the worker that happened to run the client
+        torch.manual_seed(derive_seed(self.config.seed, "augment", round_, partition_id))
         loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
                          lr=self.config.lr, generator=generator)
         trained = time.perf_counter()

@@ -120,3 +120,19 @@ def test_probe_phase_trains_only_the_head(tmp_path):
     protocol._set_trainable(model, "lora")
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_B" in n for n in trainable)
+
+
+def test_same_seed_same_run_whatever_the_worker_did_before(tmp_path):
+    """Ray workers carry different global RNG states; a run must not depend on them."""
+    def run(out, draws):
+        def client(message, context):
+            torch.rand(draws)  # what other clients of this worker drew before
+            return client_app(message, context)
+
+        config = {**SMALL, "strategy": "sgmm-ffa-lora", "target-epsilon": 10.0, "out-dir": str(out)}
+        return run_federation(InProcessGrid(client, 5, config), Context(run_id=1, node_id=0, node_config={},
+                                                                        state=RecordDict(), run_config=config),
+                              echo=lambda line: None).state.message
+
+    first, second = run(tmp_path / "a", 0), run(tmp_path / "b", 7)
+    assert all(torch.equal(first[name], second[name]) for name in first)
