@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import platform
 import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -29,3 +31,14 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch threads")
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs, after one warm-up run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

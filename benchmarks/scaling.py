@@ -10,28 +10,17 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import subprocess
 import sys
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine
+from benchmarks.common import RESULTS, command_line, machine, median_seconds
 from fedlora.aggregation import redistribute, svd_of_mean_product
 from fedlora.sketch import MatrixSketch, SketchKey, VectorSketch
 
 RANK, SKETCH_DIM = 4, 150
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def sketch_times(m: int, repeats: int) -> dict:
@@ -39,7 +28,7 @@ def sketch_times(m: int, repeats: int) -> dict:
     x, key = torch.randn(m, RANK), SketchKey(0, 1)
     rows = {}
     for name, sketch in (("sgmm", MatrixSketch(SKETCH_DIM)), ("sgmv", VectorSketch(SKETCH_DIM * RANK))):
-        rows[name] = _seconds(lambda: sketch.desketch(sketch.sketch(x, key=key, name="l.lora_B"), key=key,
+        rows[name] = median_seconds(lambda: sketch.desketch(sketch.sketch(x, key=key, name="l.lora_B"), key=key,
                                                       name="l.lora_B", shape=x.shape), repeats)
     return rows
 
@@ -59,8 +48,8 @@ def svd_times(m: int, nr: int, repeats: int) -> dict:
         u, s, vt = torch.linalg.svd(w, full_matrices=False)
         return redistribute(u, s, vt, RANK)
 
-    qr = _seconds(qr_path, repeats)
-    dense = _seconds(dense_path, 1 if m >= 2048 else repeats)
+    qr = median_seconds(qr_path, repeats)
+    dense = median_seconds(dense_path, 1 if m >= 2048 else repeats)
     (b1, a1), (b2, a2) = qr_path(), dense_path()
     error = float(torch.linalg.norm(b1 @ a1 - b2 @ a2) / torch.linalg.norm(b2 @ a2))
     return {"qr_svd_s": qr, "dense_svd_s": dense, "speedup": dense / qr, "relative_error": error}

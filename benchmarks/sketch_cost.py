@@ -11,24 +11,13 @@ from __future__ import annotations
 
 import argparse
 import csv
-import statistics
 import time
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine
+from benchmarks.common import RESULTS, command_line, machine, median_seconds
 from fedlora.lora import LoRAMode, build_lora_model, get_adapters, to_message
 from fedlora.sketch import MatrixSketch, Side, SketchKey, VectorSketch, gaussian_matrix
-
-
-def _median_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -67,7 +56,7 @@ def main() -> None:
     rows = []
     for what, mm_fn, mv_fn in (("sketch + de-sketch, R regenerated from its seed", full_path(sgmm), full_path(sgmv)),
                                ("matrix products only, R pre-generated", matmul_sgmm, matmul_sgmv)):
-        t_mm, t_mv = _median_seconds(mm_fn, args.repeats), _median_seconds(mv_fn, args.repeats)
+        t_mm, t_mv = median_seconds(mm_fn, args.repeats), median_seconds(mv_fn, args.repeats)
         rows.append({"path": what, "sgmm_ms": 1e3 * t_mm, "sgmv_ms": 1e3 * t_mv, "sgmv_over_sgmm": t_mv / t_mm})
 
     shapes = sorted({tuple(x.shape) for x in message.values()})
