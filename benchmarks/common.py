@@ -20,6 +20,20 @@ def command_line(module: str) -> str:
     return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:])])
 
 
+def revision() -> str:
+    """The git commit the numbers were measured at ("unknown" outside a checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
 def machine() -> str:
     """One line: CPU, cores, GPU if any, and the library versions that set the speed."""
     cpu = platform.processor() or platform.machine()

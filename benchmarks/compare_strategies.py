@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.common import RESULTS, command_line, machine
+from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.algorithms import ALGORITHMS
 from fedlora.config import load_config
 from fedlora.experiment import check_before_start
@@ -100,7 +100,7 @@ def compare() -> None:
     config = load_config(PRESETS[args.preset], args.set)
     header = list(table[0])
     lines = [f"# Strategies compared ({args.preset} preset" + (f", sweep over {sweep_key}" if sweep_key else "") + ")",
-             "", f"Command: `{command_line('benchmarks.compare_strategies')}`  ", f"Machine: {machine()}  ",
+             "", f"Command: `{command_line('benchmarks.compare_strategies')}`  ", f"Commit: {revision()}  ", f"Machine: {machine()}  ",
              f"Setting: {config.dataset} data, {config.model}, C = {config.num_clients}, N = {config.clients_per_round},"
              f" K = {config.local_steps}, batch {config.batch_size}, T = {config.num_rounds}, r = {config.rank}, "
              f"target epsilon {config.target_epsilon:g}, delta {config.delta:g}, seeds {args.seeds}; accuracy is the "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from benchmarks.common import RESULTS, command_line, machine
+from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.privacy import paper
 
 
@@ -20,6 +20,7 @@ def main() -> None:
         "# Noise multipliers for epsilon 1.70: the paper's and ours",
         "",
         f"Command: `{command_line('benchmarks.noise_table')}` (the same numbers as `fedlora privacy --paper-table`)  ",
+        f"Commit: {revision()}  ",
         f"Machine: {machine()}; computed in {seconds:.1f} s  ",
         f"Setting: C = {paper.NUM_CLIENTS}, N = {paper.CLIENTS_PER_ROUND} sampled without replacement "
         f"(replace-one), T = {paper.ROUNDS}, delta = {paper.DELTA:g}, r = {paper.RANK}, "

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine
+from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.config import RunConfig
 from fedlora.data import load_partition, make_partitioner, to_torch
 from fedlora.experiment import load_splits
@@ -86,6 +86,7 @@ def main() -> None:
         "# Overhead: the framework against a bare PyTorch loop",
         "",
         f"Command: `{command_line('benchmarks.overhead')}`  ",
+        f"Commit: {revision()}  ",
         f"Machine: {machine()}  ",
         f"Setting: the cpu preset ({config.strategy}, {config.model}, C = {config.num_clients}, "
         f"N = {config.clients_per_round}, K = {config.local_steps}, batch {config.batch_size}); {args.rounds} rounds, "

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine, median_seconds
+from benchmarks.common import RESULTS, command_line, machine, revision, median_seconds
 from fedlora.aggregation import redistribute, svd_of_mean_product
 from fedlora.sketch import MatrixSketch, SketchKey, VectorSketch
 
@@ -110,6 +110,7 @@ def main() -> None:
         "# Scaling: sketching and FlexLoRA redistribution vs layer size; memory vs number of clients",
         "",
         f"Command: `{command_line('benchmarks.scaling')}`  ",
+        f"Commit: {revision()}  ",
         f"Machine: {machine()}  ",
         f"Sketching: one B (m x {RANK}) sketched and de-sketched, R regenerated from its seed (as in the product), "
         f"SGMM b = {SKETCH_DIM}, SGMV h = {SKETCH_DIM * RANK}; float32; median of {args.repeats}. Redistribution: "

@@ -43,6 +43,13 @@ def _partition(config: RunConfig, partition_id: int, num_partitions: int):
     return to_torch(data, model_spec(config.model).image_size, train=True)
 
 
+@app.query()
+def identify(msg: Message, context: Context) -> Message:
+    """Which partition this node holds: the server samples partitions, so a seed fixes the run."""
+    return Message(RecordDict({"metrics": MetricRecord({"partition-id": int(context.node_config["partition-id"])})}),
+                   reply_to=msg)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     config = run_config_of(context.run_config)

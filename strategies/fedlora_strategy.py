@@ -41,6 +41,7 @@ class FedLoRAStrategy(Strategy):
         self.ledger = ledger
         self.sampling = sampling
         self.releases = releases  # phase -> what one round releases, for the ledger
+        self.nodes: dict[int, int] | None = None  # partition id -> node id, learned once
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
 
     def summary(self) -> None:
@@ -49,16 +50,27 @@ class FedLoRAStrategy(Strategy):
         log(INFO, "\t└── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
             self.sampling.q)
 
-    def _sample(self, server_round: int, node_ids: list[int]) -> list[int]:
+    def _partition_nodes(self, grid: Grid, node_ids: list[int]) -> dict[int, int]:
+        """Asks every node once which partition it holds. Node ids are random per run; sampling partitions
+        (not node positions) makes a seed fix the run, in simulation and across restarts."""
+        if self.nodes is None:
+            ask = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
+            replies = [r for r in grid.send_and_receive(ask) if r.has_content()]
+            self.nodes = {int(r.content["metrics"]["partition-id"]): r.metadata.src_node_id for r in replies}
+            if sorted(self.nodes) != list(range(self.sampling.num_clients)):
+                raise RuntimeError(f"Clients must hold partitions 0..{self.sampling.num_clients - 1} once each; "
+                                   f"they reported {sorted(self.nodes)[:10]}...")
+        return self.nodes
+
+    def _sample(self, server_round: int, nodes: dict[int, int]) -> list[int]:
+        """Node ids of the round's clients: a seeded draw of partitions."""
         rng = np.random.default_rng(derive_seed(self.protocol.config.seed, "sampling", server_round))
+        c = self.sampling.num_clients
         if self.sampling.kind.value == "fixed":
-            if len(node_ids) < self.sampling.clients_per_round:
-                raise RuntimeError(f"Only {len(node_ids)} clients are connected; {self.sampling.clients_per_round} "
-                                   "are needed per round.")
-            # indices, not ids: node ids are unsigned 64-bit and would not survive a numpy array
-            chosen = rng.choice(len(node_ids), self.sampling.clients_per_round, replace=False)
-            return [node_ids[i] for i in sorted(chosen)]
-        return [n for n, u in zip(node_ids, rng.random(len(node_ids))) if u < self.sampling.rate]
+            chosen = sorted(rng.choice(c, self.sampling.clients_per_round, replace=False).tolist())
+        else:
+            chosen = [p for p, u in enumerate(rng.random(c)) if u < self.sampling.rate]
+        return [nodes[p] for p in chosen]
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -67,7 +79,7 @@ class FedLoRAStrategy(Strategy):
             raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
                                f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
                                f"\"num-supernodes={self.sampling.num_clients}\").")
-        sampled = self._sample(server_round, node_ids)
+        sampled = self._sample(server_round, self._partition_nodes(grid, node_ids))
         phase = self.protocol.phase(server_round)
         if self.ledger is not None:
             if not self.ledger.phases or self.ledger.phases[-1].name != phase:

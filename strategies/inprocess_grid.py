@@ -14,17 +14,18 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 class InProcessGrid(Grid):
-    def __init__(self, client_app, num_nodes: int, run_config: dict, *, fail: set[int] = frozenset()):
+    def __init__(self, client_app, num_nodes: int, run_config: dict, *, fail: set[int] = frozenset(),
+                 node_ids: list[int] | None = None):
         self.client_app = client_app
         self.run_config = run_config
-        self.node_ids = list(range(1, num_nodes + 1))
+        self.node_ids = list(node_ids or range(1, num_nodes + 1))  # partition i lives on node_ids[i]
         self.contexts = {n: Context(run_id=1, node_id=n, node_config={"partition-id": i, "num-partitions": num_nodes},
                                     state=RecordDict(), run_config=run_config)
                          for i, n in enumerate(self.node_ids)}
-        self.fail = set(fail)  # node ids whose ClientApp raises
+        self.fail = set(fail)  # node ids whose client dies while training (no reply arrives)
         self._ids = itertools.count(1)
         self._run = None
-        self.calls: list[int] = []
+        self.calls: list[int] = []  # node ids sent a training message, in order
         self._as_server()
 
     def _as_server(self) -> None:
@@ -56,9 +57,10 @@ class InProcessGrid(Grid):
             message.metadata.__dict__["_message_id"] = f"m{next(self._ids)}"
             message.metadata.__dict__["_src_node_id"] = 0
             TaskIdentity.run_id, TaskIdentity.task_id, TaskIdentity.node_id = 1, next(self._ids), node
-            self.calls.append(node)
-            if node in self.fail:
-                continue  # the client died: no reply arrives
+            if message.metadata.message_type == "train":
+                self.calls.append(node)
+                if node in self.fail:
+                    continue
             replies.append(self.client_app(message, self.contexts[node]))
             self._as_server()
         return replies

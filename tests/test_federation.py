@@ -136,3 +136,19 @@ def test_same_seed_same_run_whatever_the_worker_did_before(tmp_path):
 
     first, second = run(tmp_path / "a", 0), run(tmp_path / "b", 7)
     assert all(torch.equal(first[name], second[name]) for name in first)
+
+
+def test_sampling_follows_partitions_not_node_ids(tmp_path):
+    """Simulated node ids are random per run: the same seed must pick the same partitions anyway."""
+    def run(out, node_ids):
+        config = {**SMALL, "strategy": "gm-ffa-lora", "target-epsilon": 10.0, "out-dir": str(out)}
+        grid = InProcessGrid(client_app, 5, config, node_ids=node_ids)
+        strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                run_config=config), echo=lambda line: None)
+        partition_of = {node: p for p, node in strategy.nodes.items()}
+        return [partition_of[n] for n in grid.calls], strategy.state.message
+
+    calls_a, state_a = run(tmp_path / "a", [2 ** 63 + 5, 17, 2 ** 40, 99, 3])
+    calls_b, state_b = run(tmp_path / "b", [8, 2 ** 62, 1, 2 ** 64 - 1, 12345])
+    assert calls_a == calls_b
+    assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)
