@@ -46,6 +46,22 @@ def get_algorithm(name: str) -> Algorithm:
     return ALGORITHMS[name]
 
 
+def check_layer_sizes(algorithm: Algorithm, shapes, *, rank: int, sketch_dim: int) -> None:
+    """Rank and sketch dimension against the adapted layers' (m, k) shapes; one sentence on failure.
+
+    SGMM sketches B (m x r) from the left and FlexLoRA's A (r x k) from the right; SGMV sketches vec(B).
+    """
+    shapes = list(shapes)
+    smallest = min(min(m, k) for m, k in shapes)
+    if rank > smallest:
+        raise ValueError(f"Rank {rank} exceeds the smallest side ({smallest}) of an adapted layer.")
+    if algorithm.sketched:
+        limit = min(m * rank if algorithm.mechanism == "sgmv" else min(m, k) if algorithm.family is LoRAMode.FLEX
+                    else m for m, k in shapes)
+        if not 1 <= sketch_dim <= limit:
+            raise ValueError(f"Sketch dimension {sketch_dim} must lie in [1, {limit}] for {algorithm.name}.")
+
+
 def make_mechanism(algorithm: Algorithm, *, clip_norm: float | None, noise_multiplier: float,
                    sketch_dim: int | None = None, threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
     """The client-side mechanism of a strategy. ``sketch_dim`` is b for SGMM and h for SGMV."""

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from fedlora.algorithms import ALGORITHMS, LoRAMode, get_algorithm
+from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
@@ -51,11 +51,9 @@ def describe(args: argparse.Namespace) -> dict:
     adapters = get_adapters(model)
     b, h, r = args.sketch_dim, args.vector_sketch_dim or args.sketch_dim * args.rank, args.rank
     shapes = [(tuple(a.shape), tuple(bb.shape)) for a, bb in adapters.values()]
-    for (_, k), (m, _) in shapes:
-        if b > min(m, k):
-            raise CLIError(f"Sketch dimension {b} must lie in [1, {min(m, k)}] for this model's adapted layers.")
-        if h > m * r:
-            raise CLIError(f"Vector sketch dimension {h} must lie in [1, {m * r}] (m r) for this model's layers.")
+    layers = [(m, k) for (_, k), (m, _) in shapes]
+    check_layer_sizes(get_algorithm("sgmm-flexlora"), layers, rank=r, sketch_dim=b)  # b sketches both sides
+    check_layer_sizes(get_algorithm("sgmv-ffa-lora"), layers, rank=r, sketch_dim=h)
     dense_b = sum(m * r for _, (m, r) in shapes)
     dense_a = sum(r * k for (r, k), _ in shapes)
     rows = {  # values uploaded per client per round, and multiply-adds of the sketch
@@ -109,16 +107,8 @@ def _validate_privacy(args: argparse.Namespace) -> None:
     if algorithm.sketched:
         if args.sketch_dim is None:
             args.sketch_dim = 150 if algorithm.mechanism == "sgmm" else 150 * args.rank
-        shapes = adapted_layer_shapes(args.model).values()
-        for m, k in shapes:
-            if args.rank > min(m, k):
-                raise CLIError(f"Rank {args.rank} exceeds the smaller side ({min(m, k)}) of an adapted layer.")
-        # SGMM sketches B (m x r) from the left, and FlexLoRA's A (r x k) from the right; SGMV sketches vec(B).
-        limit = min(m * args.rank if algorithm.mechanism == "sgmv" else
-                    (min(m, k) if algorithm.family is LoRAMode.FLEX else m) for m, k in shapes)
-        if not 1 <= args.sketch_dim <= limit:
-            raise CLIError(f"Sketch dimension {args.sketch_dim} must lie in [1, {limit}] for {args.strategy} "
-                           f"on {args.model}.")
+        check_layer_sizes(algorithm, adapted_layer_shapes(args.model).values(), rank=args.rank,
+                          sketch_dim=args.sketch_dim)
         if args.threat_model == "secret-sketch" and args.sampling == "poisson":
             raise CLIError("Secret-sketch accounting supports fixed-size sampling only (the shared-sketch bound "
                            "needs the number of clients per round): use --sampling fixed.")

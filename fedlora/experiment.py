@@ -12,6 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from fedlora.algorithms import check_layer_sizes, get_algorithm
 from fedlora.config import RunConfig
 from fedlora.data import load_cifar100, synthetic_splits, to_torch
 from fedlora.federation import LORA, PROBE, GlobalState, Protocol
@@ -167,17 +168,8 @@ def check_before_start(config: RunConfig) -> None:
 
     if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
         raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\".")
-    shapes = adapted_layer_shapes(config.model, targets=config.targets).values()
-    smallest = min(min(m, k) for m, k in shapes)
-    if config.rank > smallest:
-        raise ValueError(f"rank {config.rank} exceeds the smallest adapted layer side ({smallest}) of {config.model}.")
-    protocol = Protocol(config, 1.0)
-    if protocol.algorithm.sketched:
-        dim, mech = config.effective_sketch_dim(), protocol.algorithm.mechanism
-        limit = min(m * config.rank if mech == "sgmv" else (min(m, k) if protocol.mode.value == "flex" else m)
-                    for m, k in shapes)
-        if dim > limit:
-            raise ValueError(f"sketch-dim {dim} must lie in [1, {limit}] for {config.strategy} on {config.model}.")
+    check_layer_sizes(get_algorithm(config.strategy), adapted_layer_shapes(config.model, targets=config.targets).values(),
+                      rank=config.rank, sketch_dim=config.effective_sketch_dim())
 
 
 def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:

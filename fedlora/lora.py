@@ -134,10 +134,6 @@ def save_adapters(model: PeftModel, path: str | Path) -> None:
     model.save_pretrained(str(path))
 
 
-def load_adapters(model: str, path: str | Path, *, num_classes: int, seed: int = 0) -> PeftModel:
-    """A saved adapter on a freshly built backbone of the given model name."""
-    return PeftModel.from_pretrained(build_backbone(model, num_classes=num_classes, seed=seed), str(path))
-
 
 def _head_module(model: PeftModel) -> tuple[str, nn.Module] | None:
     """The trainable copy PEFT keeps of the classifier head (``modules_to_save``), if the head is trained."""

@@ -32,7 +32,8 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
         if server_round == 0:
             return None
         row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), ledger)
-        return MetricRecord({k: float(row[k]) for k in ("accuracy", "loss", "epsilon") if math.isfinite(row[k])})
+        values = {"accuracy": row["accuracy"], "loss": row["loss"], f"epsilon ({row['threat_model']})": row["epsilon"]}
+        return MetricRecord({k: float(v) for k, v in values.items() if math.isfinite(v)})
 
     strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds, evaluate_fn=evaluate_fn)
     recorder.finish(strategy.state)

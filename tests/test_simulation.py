@@ -36,8 +36,8 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path):
     (["--set", "num-clients=3", "--set", "clients-per-round=4"], "cannot exceed num-clients"),
     (["--set", "target-epsilon=1e-9"], "unreachable"),
     (["--set", "dataset=cifar100", "--set", "num-classes=100"], "synthetic"),
-    (["--set", "rank=500"], "exceeds the smallest adapted layer side"),
-    (["--set", "sketch-dim=500"], "sketch-dim 500 must lie in [1, 192]"),
+    (["--set", "rank=500"], "exceeds the smallest side (192)"),
+    (["--set", "sketch-dim=500"], "Sketch dimension 500 must lie in [1, 192]"),
     (["--config", "missing.toml"], "does not exist"),
 ])
 def test_run_bad_input_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypatch, tmp_path, argv, message):

@@ -65,17 +65,6 @@ def sketched_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float,
     return _finite_orders_only(sketch_dim * k / (2.0 * (finite - 1.0)) * _g(u, finite), alpha)
 
 
-def paper_simplified_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float) -> np.ndarray:
-    """The paper's simplified form r alpha^2 / ((alpha - 1) b z^4): for comparison only, never for accounting
-    (it is a Taylor bound that silently stops holding where 1 - alpha u <= 0)."""
-    _check(sketch_dim, rank, noise_multiplier, 1)
-    alpha = _orders(orders)
-    if noise_multiplier == 0:
-        return np.full_like(alpha, np.inf)
-    finite = np.where(np.isinf(alpha), 2.0, alpha)
-    return _finite_orders_only(rank * finite ** 2 / ((finite - 1.0) * sketch_dim * noise_multiplier ** 4), alpha)
-
-
 def gaussian_renyi_divergence(cov_p: np.ndarray, cov_q: np.ndarray, alpha: float) -> float:
     """D_alpha(N(0, cov_p) || N(0, cov_q)), closed form; +inf where alpha cov_q + (1 - alpha) cov_p is not PD."""
     mixed = alpha * cov_q + (1.0 - alpha) * cov_p

@@ -66,9 +66,6 @@ class SamplingScheme:
         """Probability that a given client takes part in a round."""
         return self.clients_per_round / self.num_clients if self.kind is Sampling.FIXED else self.rate
 
-    @property
-    def expected_clients(self) -> float:
-        return self.q * self.num_clients
 
 
 @dataclass(frozen=True)
