@@ -77,7 +77,7 @@ def _stop(process: subprocess.Popen) -> None:
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0) -> list[dict]:
     """Runs the federation; returns the per-round metrics. Raises SimulationError if it does not finish."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
     out_dir.mkdir(parents=True, exist_ok=True)
     app_dir = write_app(config, out_dir)
     home = out_dir / "flwr-home"

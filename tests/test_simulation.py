@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -16,12 +17,14 @@ def _leftovers() -> list[str]:
             and not line.startswith("Z")]
 
 
-def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path):
+def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
                                      "num-rounds": 2, "local-steps": 2, "train-examples": 150,
                                      "test-examples": 60})
     lines = []
-    rows = run_simulation(config, tmp_path, echo=lines.append)
+    rows = run_simulation(config, Path("run"), echo=lines.append)
+    tmp_path = tmp_path / "run"
     assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
     assert lines[0].startswith("round   1/2  accuracy") and "(known-sketch)" in lines[0]
     assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == 2
