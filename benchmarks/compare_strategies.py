@@ -21,7 +21,7 @@ from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.algorithms import ALGORITHMS
 from fedlora.config import load_config
 from fedlora.experiment import check_before_start
-from fedlora.simulation import run_simulation
+from fedlora.launch import run_simulation
 
 PRESETS = {"cpu": None, "paper": Path(__file__).resolve().parents[1] / "configs" / "paper_cifar100.toml"}
 

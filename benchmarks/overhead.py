@@ -17,10 +17,10 @@ import torch
 from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.config import RunConfig
 from fedlora.data import load_partition, make_partitioner, to_torch
-from fedlora.experiment import load_splits
+from fedlora.config import load_splits
 from fedlora.federation import Protocol, derive_seed
 from fedlora.models import model_spec
-from fedlora.simulation import run_simulation
+from fedlora.launch import run_simulation
 from fedlora.training import local_sgd
 
 

@@ -6,21 +6,32 @@ partitions; per round only the adapters (and head) are loaded from the server's 
 
 from __future__ import annotations
 
+import time
 from functools import lru_cache
+
+import psutil
 
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from fedlora.config import RunConfig
-from fedlora.data import load_partition, make_partitioner, to_torch
-from fedlora.experiment import load_splits, run_config_of
+from fedlora.config import RunConfig, load_splits, run_config_of
+from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
 from fedlora.federation import GlobalState, Protocol, num_bytes
 from fedlora.lora import get_adapters
 from fedlora.models import model_spec
+from fedlora.node import NodeSettings, read_sketch_seed
 from fedlora.training import select_device
 
 app = ClientApp()
+_fresh_process = True  # a SuperNode starts a process per message; Ray workers live across messages
+
+
+def _startup_seconds() -> float:
+    """Seconds from this process's start to now if it has handled no message before, else 0."""
+    global _fresh_process
+    fresh, _fresh_process = _fresh_process, False
+    return time.time() - psutil.Process().create_time() if fresh else 0.0
 
 
 @lru_cache(maxsize=4)
@@ -38,36 +49,44 @@ def _partitioner(config: RunConfig, num_partitions: int):
 
 
 @lru_cache(maxsize=64)
-def _partition(config: RunConfig, partition_id: int, num_partitions: int):
-    data = load_partition(_partitioner(config, num_partitions), partition_id)
+def _local_data(config: RunConfig, node: NodeSettings):
+    """The node's training data: its own images (data-dir), else its partition of the run's dataset."""
+    data = (load_image_dir(node.data_dir, num_classes=config.num_classes) if node.data_dir
+            else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
     return to_torch(data, model_spec(config.model).image_size, train=True)
 
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
     """Which partition this node holds: the server samples partitions, so a seed fixes the run."""
-    return Message(RecordDict({"metrics": MetricRecord({"partition-id": int(context.node_config["partition-id"])})}),
-                   reply_to=msg)
+    node = NodeSettings.from_node_config(context.node_config)
+    return Message(RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg)
 
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    startup_seconds = _startup_seconds()
     config = run_config_of(context.run_config)
     round_config = msg.content["config"]
     protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
+    node = NodeSettings.from_node_config(context.node_config)
+    partition_id = node.partition_id
     if config.threat_model == "known-sketch":
         protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
-    partition_id = int(context.node_config["partition-id"])
-    num_partitions = int(context.node_config["num-partitions"])
+    elif config.sketch_secret == "node-file":  # shared by the clients out of band, never seen by the server
+        if not node.sketch_secret_file:
+            raise ValueError("This run's sketch secret comes from the nodes: start the SuperNode with "
+                             "--node-config \"... sketch-secret-file='PATH'\".")
+        protocol.sketch_seed = read_sketch_seed(node.sketch_secret_file)
     model, base = _model(config, protocol.client_rank(partition_id))
     state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
                         int(round_config["produced-by"]))
     round_ = int(round_config["server-round"])
     noise = protocol.simulation_noise(round_, partition_id) if config.noise_source == "seeded" else None
-    result = protocol.local_round(model, base, _partition(config, partition_id, num_partitions), state,
+    result = protocol.local_round(model, base, _local_data(config, node), state,
                                   round_=round_, partition_id=partition_id, noise=noise)
     metrics = MetricRecord({"train-loss": float(result.train_loss), "partition-id": partition_id,
                             "bytes-up": num_bytes(result.release), "train-seconds": result.train_seconds,
-                            "privatize-seconds": result.privatize_seconds})
+                            "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds})
     return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in result.release.items()}),
                                "metrics": metrics}), reply_to=msg)

@@ -7,6 +7,7 @@ import json
 import sys
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
+from fedlora.config import parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
@@ -180,31 +181,87 @@ def _print_paper_table(rows) -> None:
           "sketch and is shown only to explain the paper's numbers: never use it as a privacy claim.")
 
 
-def run(args: argparse.Namespace) -> None:
-    """Validate, calibrate, then run the simulated federation on a local SuperLink."""
+def _prepare(args: argparse.Namespace, config, command: str):
+    """Checks and calibration before any process starts; prints what will run. Returns the run directory."""
     import time
     from pathlib import Path
 
-    from fedlora.config import load_config
     from fedlora.experiment import check_before_start, noise_for
     from fedlora.federation import Protocol
-    from fedlora.simulation import run_simulation
 
-    config = load_config(args.config, args.set)
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
     out_dir = Path(args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
-    print(f"fedlora run: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} clients, "
-          f"{config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
+    print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
+          f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
     if config.linear_probe_rounds():
         print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
     print(f"  mechanism: {protocol.mechanism.describe()}")
     if plan.planned is not None:
         print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
-    rows = run_simulation(config, out_dir)
-    last = rows[-1]
-    print(f"done: accuracy {last['accuracy']:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
+    return out_dir
+
+
+def _done(rows: list[dict], out_dir) -> None:
+    accuracy = rows[-1]["accuracy"]
+    if accuracy is None:
+        print(f"done: metrics.jsonl, global-state.safetensors and accuracy.png in {out_dir}")
+    else:
+        print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
+
+
+def run(args: argparse.Namespace) -> None:
+    """Validate, calibrate, then run the simulated federation on a local SuperLink."""
+    from fedlora.config import load_config
+    from fedlora.launch import run_simulation
+
+    config = load_config(args.config, args.set)
+    if config.sketch_secret == "node-file":
+        raise CLIError('sketch-secret = "node-file" needs SuperNodes that hold the secret: use `fedlora deploy`; '
+                       "simulations derive it from the run seed.")
+    out_dir = _prepare(args, config, "run")
+    _done(run_simulation(config, out_dir), out_dir)
+
+
+def deploy(args: argparse.Namespace) -> None:
+    """A SuperLink and one SuperNode per client on this machine (TLS and SuperNode authentication unless
+    --insecure), one run, then every process stopped."""
+    from pathlib import Path
+
+    from fedlora.config import DEPLOY_PRESET, RunConfig, load_config
+    from fedlora.credentials import Credentials, make_credentials
+    from fedlora.launch import deploy_locally
+
+    given = dict(parse_assignment(a) for a in args.set)
+    preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
+    config = load_config(args.config, preset + args.set)
+    if config.noise_source != "os":
+        raise CLIError('Deployments draw client noise from the OS: with noise-source = "seeded" anyone who knows '
+                       "the run seed could remove it.")
+    if config.threat_model == "secret-sketch" and get_algorithm(config.strategy).sketched:
+        if given.get("sketch-secret") == "run-seed":
+            raise CLIError('sketch-secret = "run-seed" would give the server the secret sketch: deployments read it '
+                           'from each SuperNode (sketch-secret = "node-file").')
+        config = RunConfig.from_mapping({"sketch-secret": "node-file"}, base=config)
+    if args.insecure and args.credentials:
+        raise CLIError("--insecure and --credentials exclude each other.")
+    if config.sketch_secret == "node-file" and args.insecure:
+        raise CLIError("A secret-sketch deployment needs the nodes' credentials folders (they hold the sketch "
+                       "secret): drop --insecure.")
+    out_dir = _prepare(args, config, "deploy")
+    credentials = None
+    if args.credentials:
+        credentials = Credentials(Path(args.credentials), config.num_clients)
+        missing = [str(f) for f in (credentials.ca_cert, *[credentials.node_dir(i) / "node.key"
+                                                            for i in range(config.num_clients)]) if not f.is_file()]
+        if missing:
+            raise CLIError(f"--credentials lacks {missing[0]}: write them with `fedlora credentials DIR --nodes "
+                           f"{config.num_clients}`.")
+    elif not args.insecure:
+        credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
+    print(f"  security: {'TLS and SuperNode authentication, credentials in ' + str(credentials.root) if credentials else 'INSECURE (no TLS, no SuperNode authentication), as asked'}")
+    _done(deploy_locally(config, out_dir, credentials=credentials), out_dir)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -224,6 +281,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="a TOML preset (e.g. configs/quickstart.toml); default: the quickstart")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
+
+    dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
+    dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")
+    dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    dp.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
+    dp.add_argument("--credentials", help="a folder written by `fedlora credentials` (default: new, in the run "
+                                          "directory)")
+    dp.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication")
+
+    cr = commands.add_parser("credentials", help="TLS certificates, SuperNode keys and the sketch secret, one "
+                                                 "folder per machine")
+    cr.add_argument("dir")
+    cr.add_argument("--host", action="append", default=[], help="a name or IP the SuperNodes reach the SuperLink by "
+                                                               "(repeatable; default 127.0.0.1 and localhost)")
+    cr.add_argument("--nodes", type=_positive, default=2, help="SuperNodes (default 2)")
+
+    rc = commands.add_parser("reconstruct", help="de-sketch a secret-sketch run's global state into a PEFT adapter")
+    rc.add_argument("run_dir")
+    rc.add_argument("--sketch-secret-file", required=True, help="the federation's sketch secret (a node's copy)")
 
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
@@ -250,6 +326,17 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv if argv is not None else sys.argv[1:] or ["run"])
         if args.command == "run":
             run(args)
+        elif args.command == "deploy":
+            deploy(args)
+        elif args.command == "credentials":
+            from fedlora.credentials import make_credentials
+            creds = make_credentials(args.dir, hosts=tuple(args.host) or ("127.0.0.1", "localhost"), nodes=args.nodes)
+            print(f"Wrote {creds.root}: superlink/ for the SuperLink, supernode-<i>/ for device i, ca/ to keep "
+                  "offline. The sketch secret is in every supernode-<i>/ and never goes to the server.")
+        elif args.command == "reconstruct":
+            from fedlora.experiment import reconstruct
+            accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)
+            print(f"test accuracy {accuracy:.3f}, loss {loss:.3f}")
         elif args.command == "describe":
             report = describe(args)
             print(json.dumps(report, indent=2)) if args.json else _print_describe(report)

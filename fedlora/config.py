@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+from functools import lru_cache
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,10 +21,14 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, get_algorithm
-from fedlora.data import PARTITIONER_KINDS
+from fedlora.data import PARTITIONER_KINDS, load_cifar100, synthetic_splits
 from fedlora.models import MODELS
 
 DATASETS = ("synthetic", "cifar100")
+OUT_DIR_KEY = "out-dir"  # the one run-config key outside the vocabulary: where the ServerApp writes
+# `fedlora deploy` without --config: two SuperNodes on this machine, two rounds, OS noise.
+DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "train-examples": 400,
+                 "test-examples": 200, "noise-source": "os"}
 HEAD_MODES = ("message", "probe", "frozen")
 
 
@@ -56,6 +61,10 @@ class RunConfig:
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm, used when target-epsilon is 0", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
+    sketch_secret: str = _opt("run-seed", "secret-sketch: the sketch seed derived from the run seed (simulation: the "
+                                          "server knows it, and evaluates), or read by every SuperNode from its "
+                                          "sketch-secret-file (deployment: the server never sees it)",
+                              choices=("run-seed", "node-file"))
     head: str = _opt("message", "classifier head: trained inside the private message; trained first in a "
                                 "private linear-probe phase, then frozen; or frozen at its seeded init",
                      choices=HEAD_MODES)
@@ -126,6 +135,9 @@ class RunConfig:
             raise ValueError(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
         if self.threat_model == "secret-sketch" and algorithm.sketched and self.sampling == "poisson":
             raise ValueError("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
+        if self.sketch_secret == "node-file" and not (self.threat_model == "secret-sketch" and algorithm.sketched):
+            raise ValueError("sketch-secret = \"node-file\" is for sketched strategies under threat-model = "
+                             "\"secret-sketch\"; under known-sketch the server broadcasts the sketch seeds.")
         if self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
             raise ValueError(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                              "LoRA rounds after it.")
@@ -197,3 +209,17 @@ def load_config(path: str | Path | None = None, assignments: list[str] | None = 
         key, value = parse_assignment(assignment)
         values[key] = value
     return RunConfig.from_mapping(values)
+
+
+def run_config_of(values: dict[str, Any]) -> RunConfig:
+    """The validated RunConfig of a Flower run config (which also carries ``out-dir``)."""
+    return RunConfig.from_mapping({k: v for k, v in values.items() if k != OUT_DIR_KEY})
+
+
+@lru_cache(maxsize=2)
+def load_splits(config: RunConfig):
+    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100 or the synthetic dataset."""
+    if config.dataset == "cifar100":
+        return load_cifar100("train"), load_cifar100("test")
+    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.num_classes,
+                            seed=config.seed)

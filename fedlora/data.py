@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import datasets
 import numpy as np
@@ -108,6 +109,67 @@ def load_cifar100(split: str, *, cache_dir: str | os.PathLike[str] | None = None
             f"CIFAR-100 could not be loaded from the Hugging Face hub ({CIFAR100_HUB_ID}): {reason}; "
             'offline, use the synthetic dataset (dataset = "synthetic").'
         ) from err
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
+
+
+def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> datasets.Dataset:
+    """A device's own images, in CIFAR-100's schema: CIFAR-100's python format or an ImageFolder layout.
+
+    CIFAR-100's python format is a directory holding the pickled ``train`` file of
+    ``cifar-100-python.tar.gz``. An ImageFolder has one sub-directory per class; a class is named by its
+    CIFAR-100 name (with 100 classes) or by its label index, so that every device maps a class to the same
+    label whichever classes it happens to hold.
+    """
+    root = Path(data_dir).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"data-dir '{root}' is not a directory.")
+    if (root / "train").is_file():
+        images, labels = _cifar_python_train(root / "train")
+    else:
+        images, labels = _image_folder(root, num_classes)
+    if not len(labels):
+        raise ValueError(f"data-dir '{root}' holds no images (expected CIFAR-100's python 'train' file or one "
+                         f"folder of {', '.join(IMAGE_SUFFIXES)} images per class).")
+    if max(labels) >= num_classes:
+        raise ValueError(f"data-dir '{root}' has label {max(labels)}, but the run has {num_classes} classes.")
+    fine = (datasets.ClassLabel(names=list(FINE_LABEL_NAMES)) if num_classes == len(FINE_LABEL_NAMES)
+            else datasets.ClassLabel(num_classes=num_classes))
+    features = datasets.Features({**CIFAR100_FEATURES, LABEL_COLUMN: fine})
+    labels = np.asarray(labels)
+    return datasets.Dataset.from_dict({IMAGE_COLUMN: images, LABEL_COLUMN: labels,
+                                       COARSE_LABEL_COLUMN: labels % len(COARSE_LABEL_NAMES)}, features=features)
+
+
+def _cifar_python_train(path: Path) -> tuple[list, list[int]]:
+    import pickle
+
+    with path.open("rb") as f:
+        try:
+            batch = pickle.load(f, encoding="bytes")
+        except Exception as err:  # a corrupt or foreign file: pickle raises many kinds
+            raise ValueError(f"'{path}' is not CIFAR-100's pickled train file ({type(err).__name__}).") from None
+    if not isinstance(batch, dict) or b"data" not in batch or b"fine_labels" not in batch:
+        raise ValueError(f"'{path}' is not CIFAR-100's pickled train file (no b'data' / b'fine_labels').")
+    data = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, IMAGE_SIZE, IMAGE_SIZE).transpose(0, 2, 3, 1)
+    return list(data), [int(y) for y in batch[b"fine_labels"]]
+
+
+def _image_folder(root: Path, num_classes: int) -> tuple[list, list[int]]:
+    paths, labels = [], []
+    for folder in sorted(d for d in root.iterdir() if d.is_dir()):
+        if num_classes == len(FINE_LABEL_NAMES) and folder.name in FINE_LABEL_NAMES:
+            label = FINE_LABEL_NAMES.index(folder.name)
+        elif folder.name.isdigit() and int(folder.name) < num_classes:
+            label = int(folder.name)
+        else:
+            raise ValueError(f"Class folder '{folder.name}' in '{root}' is neither a label index 0..{num_classes - 1}"
+                             + (" nor a CIFAR-100 class name." if num_classes == len(FINE_LABEL_NAMES) else "."))
+        files = sorted(f for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        paths += [str(f) for f in files]
+        labels += [label] * len(files)
+    return paths, labels
 
 
 def _hub_offline_reason() -> str | None:

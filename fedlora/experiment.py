@@ -8,13 +8,11 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 from fedlora.algorithms import check_layer_sizes, get_algorithm
-from fedlora.config import RunConfig
-from fedlora.data import load_cifar100, synthetic_splits, to_torch
+from fedlora.config import RunConfig, load_splits
+from fedlora.data import to_torch
 from fedlora.federation import LORA, PROBE, GlobalState, Protocol
 from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
@@ -23,22 +21,6 @@ from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibr
 from fedlora.privacy.events import Phase
 from fedlora.training import evaluate, select_device
 
-# Run-config keys that are not part of the experiment's vocabulary (where the ServerApp writes).
-OUT_DIR_KEY = "out-dir"
-
-
-def run_config_of(values: dict[str, Any]) -> RunConfig:
-    """The validated RunConfig of a Flower run config (which also carries ``out-dir``)."""
-    return RunConfig.from_mapping({k: v for k, v in values.items() if k != OUT_DIR_KEY})
-
-
-@lru_cache(maxsize=2)
-def load_splits(config: RunConfig):
-    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100 or the synthetic dataset."""
-    if config.dataset == "cifar100":
-        return load_cifar100("train"), load_cifar100("test")
-    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.num_classes,
-                            seed=config.seed)
 
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -115,13 +97,18 @@ class RunRecorder:
         self.started = time.time()
         self.rows: list[dict] = []
 
+    @property
+    def can_reconstruct(self) -> bool:
+        """False when the sketch secret stays on the nodes: the server cannot de-sketch the global model."""
+        return self.config.sketch_secret != "node-file"
+
     def evaluate(self, state: GlobalState) -> tuple[float, float]:
         """Accuracy and loss of the global model, reconstructed exactly as a client would."""
         self.protocol.load_global(self.model, state, self.base)
         return evaluate(self.model, self.test)
 
     def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
-        due = round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds
+        due = self.can_reconstruct and (round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds)
         accuracy, loss = self.evaluate(state) if due else (math.nan, math.nan)
         report = ledger.report() if ledger is not None else None
         row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": accuracy, "loss": loss,
@@ -134,6 +121,7 @@ class RunRecorder:
                "aggregation_seconds": info.get("aggregation_seconds", 0.0),
                "client_train_seconds": info.get("train_seconds", math.nan),
                "client_privatize_seconds": info.get("privatize_seconds", math.nan),
+               "client_startup_seconds": info.get("startup_seconds", math.nan),
                "seconds": time.time() - info.get("started", self.started)}
         self.rows.append(row)
         with self.metrics_path.open("a") as f:  # strict JSON: null where a round has no value
@@ -143,13 +131,56 @@ class RunRecorder:
         return row
 
     def finish(self, state: GlobalState) -> None:
-        """The final adapter in PEFT format, and accuracy.png."""
-        self.protocol.load_global(self.model, state, self.base)
-        save_adapters(self.model, self.out_dir / "adapter")
+        """The final global state as aggregated, the adapter in PEFT format (if the server can de-sketch it),
+        and accuracy.png."""
+        save_global_state(state, self.out_dir / GLOBAL_STATE_FILE)
+        if self.can_reconstruct:
+            self.protocol.load_global(self.model, state, self.base)
+            save_adapters(self.model, self.out_dir / "adapter")
+        else:
+            self.echo(f"The server does not hold the sketch secret: reconstruct the adapter on a node with "
+                      f"`fedlora reconstruct {self.out_dir} --sketch-secret-file PATH`.")
         privacy = (f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}, "
                    f"epsilon = {self.rows[-1]['epsilon']:.3g}" if self.protocol.algorithm.private else "not private")
         plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
                       chance=1 / self.config.num_classes)
+
+
+GLOBAL_STATE_FILE = "global-state.safetensors"
+
+
+def save_global_state(state: GlobalState, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file({n: t.detach().cpu().contiguous() for n, t in state.message.items()}, str(path),
+              metadata={"produced_by": str(state.produced_by)})
+
+
+def load_global_state(path: Path) -> GlobalState:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(f.metadata()["produced_by"]))
+
+
+def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> tuple[float, float]:
+    """De-sketches a run's final global state with the federation's sketch secret (which only the nodes
+    hold), writes the PEFT adapter to the run directory, and returns its test accuracy and loss."""
+    from fedlora.node import read_sketch_seed
+
+    run_dir = Path(run_dir)
+    state_path = run_dir / GLOBAL_STATE_FILE
+    if not state_path.is_file():
+        raise ValueError(f"'{run_dir}' holds no {GLOBAL_STATE_FILE}: is it a finished fedlora run directory?")
+    saved = json.loads((run_dir / "config.json").read_text())
+    config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
+    protocol = Protocol(config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"])
+    protocol.sketch_seed = read_sketch_seed(sketch_secret_file)
+    model = protocol.build_model().to(select_device())
+    protocol.load_global(model, load_global_state(state_path), get_adapters(model))
+    save_adapters(model, run_dir / "adapter")
+    echo(f"Wrote {run_dir / 'adapter'}.")
+    return evaluate(model, to_torch(load_splits(config)[1], model_spec(config.model).image_size))
 
 
 def format_progress(row: dict, config: RunConfig) -> str:

@@ -26,6 +26,8 @@ def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
 def from_arrays(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict())
 
+NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
+
 
 class FedLoRAStrategy(Strategy):
     """Samples N of C clients (or Poisson), sends them the global adapters, aggregates their releases.
@@ -62,6 +64,19 @@ class FedLoRAStrategy(Strategy):
                                    f"they reported {sorted(self.nodes)[:10]}...")
         return self.nodes
 
+    def _wait_for_nodes(self, grid: Grid) -> list[int]:
+        """The federation's node ids once num-clients SuperNodes are connected (deployed ones connect over
+        time), or as they are after NODE_WAIT_SECONDS."""
+        deadline, told = time.time() + NODE_WAIT_SECONDS, -1
+        while True:
+            node_ids = sorted(grid.get_node_ids())
+            if len(node_ids) >= self.sampling.num_clients or time.time() > deadline:
+                return node_ids
+            if len(node_ids) != told:
+                log(INFO, "Waiting for SuperNodes: %s of %s connected", len(node_ids), self.sampling.num_clients)
+                told = len(node_ids)
+            time.sleep(1.0)
+
     def _sample(self, server_round: int, nodes: dict[int, int]) -> list[int]:
         """Node ids of the round's clients: a seeded draw of partitions."""
         rng = np.random.default_rng(derive_seed(self.protocol.config.seed, "sampling", server_round))
@@ -74,7 +89,7 @@ class FedLoRAStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        node_ids = sorted(grid.get_node_ids())
+        node_ids = self._wait_for_nodes(grid)
         if len(node_ids) != self.sampling.num_clients:  # the accountant's C must be the federation's
             raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
                                f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
@@ -119,7 +134,7 @@ class FedLoRAStrategy(Strategy):
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
                     **{key.replace("-", "_"): float(np.mean([float(r.content["metrics"][key]) for r in good]))
-                       for key in ("train-loss", "train-seconds", "privatize-seconds")})
+                       for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
         metrics = MetricRecord({"train-loss": info["train_loss"], "replies": len(good)})
         return to_arrays(self.state.message), metrics
 

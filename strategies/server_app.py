@@ -10,7 +10,8 @@ from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fedlora.experiment import OUT_DIR_KEY, RunRecorder, noise_for, run_config_of, sampling_of
+from fedlora.config import OUT_DIR_KEY, run_config_of
+from fedlora.experiment import RunRecorder, noise_for, sampling_of
 from fedlora.federation import Protocol
 from strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
 

@@ -8,7 +8,8 @@ from flwr.app import Context, RecordDict
 from peft import PeftModel
 
 from clients.app import app as client_app
-from fedlora.experiment import noise_for, run_config_of
+from fedlora.config import run_config_of
+from fedlora.experiment import noise_for
 from fedlora.federation import DENSE
 from fedlora.models import build_backbone
 from fedlora.privacy import epsilon

@@ -8,7 +8,7 @@ import pytest
 
 from fedlora.cli import main
 from fedlora.config import RunConfig
-from fedlora.simulation import run_simulation
+from fedlora.launch import run_simulation
 
 
 def _leftovers() -> list[str]:

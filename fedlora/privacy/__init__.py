@@ -2,12 +2,24 @@
 
 See ../shared/design/PRIVACY.md for the threat models and fedlora/privacy/shared_sketch_bound.md for the
 secret-sketch joint-release bound.
+
+Names load on first use: a client describing its release (``events``) never imports the accountants
+(dp-accounting, autodp), which a SuperNode would otherwise pay for on every message.
 """
 
-from fedlora.privacy.accounting import THREAT_MODELS, Calibration, PrivacyReport, calibrate, epsilon
-from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Sampling, SamplingScheme,
-                                    SketchedRelease)
-from fedlora.privacy.ledger import PrivacyLedger
+from importlib import import_module
 
-__all__ = ["THREAT_MODELS", "Calibration", "GaussianRelease", "NonPrivateRelease", "Phase", "PrivacyLedger",
-           "PrivacyReport", "Sampling", "SamplingScheme", "SketchedRelease", "calibrate", "epsilon"]
+_HOMES = {
+    "THREAT_MODELS": "accounting", "Calibration": "accounting", "PrivacyReport": "accounting",
+    "calibrate": "accounting", "epsilon": "accounting",
+    "GaussianRelease": "events", "NonPrivateRelease": "events", "Phase": "events", "Sampling": "events",
+    "SamplingScheme": "events", "SketchedRelease": "events",
+    "PrivacyLedger": "ledger",
+}
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module 'fedlora.privacy' has no attribute {name!r}")
+    return getattr(import_module(f"fedlora.privacy.{_HOMES[name]}"), name)

@@ -1,0 +1,216 @@
+"""Flower processes for a run: a SuperLink in simulation mode, or a SuperLink and SuperNodes on this machine.
+
+``run_simulation`` (`fedlora run`) starts its own ``flower-superlink --simulation`` on a free local
+port; ``deploy_locally`` (`fedlora deploy`) starts a ``flower-superlink`` and one ``flower-supernode``
+per client, with TLS and SuperNode authentication unless told ``secure=False``. Both submit a small
+generated Flower app with ``flwr run --stream``, print one line per round from the run's metrics.jsonl
+as they arrive, and stop every process they started however the run ends. Neither installs anything at
+run time: the apps import fedlora from this environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from fedlora.config import RunConfig
+from fedlora.credentials import Credentials
+from fedlora.config import OUT_DIR_KEY
+from fedlora.experiment import format_progress
+
+CONNECTION = "fedlora-local"
+
+
+class LaunchError(RuntimeError):
+    """The federation did not finish; the message names the log to read."""
+
+
+def _toml_value(value) -> str:
+    return json.dumps(value) if isinstance(value, str) else repr(value)
+
+
+def write_app(config: RunConfig, out_dir: Path) -> Path:
+    """A minimal Flower app whose components are fedlora's and whose run config is ``config``."""
+    app_dir = out_dir / "flower-app"
+    app_dir.mkdir(parents=True, exist_ok=True)
+    values = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir.resolve())}
+    (app_dir / "pyproject.toml").write_text("\n".join([
+        "[build-system]", 'requires = ["setuptools>=69"]', 'build-backend = "setuptools.build_meta"', "",
+        "[project]", 'name = "fedlora-run"', 'version = "0.1.0"', 'description = "A fedlora run"',
+        'license = "Apache-2.0"', "", "[tool.flwr.app]", 'publisher = "fedlora"', "",
+        "[tool.flwr.app.components]", 'serverapp = "strategies.server_app:app"', 'clientapp = "clients.app:app"',
+        "", "[tool.flwr.app.config]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()], ""]))
+    return app_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Flower:
+    """The processes of one run, with their logs in the run directory; ``stop_all`` ends every one."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = out_dir
+        self.home = out_dir / "flwr-home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        bin_dir = str(Path(sys.executable).parent)
+        self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
+                    "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+        self.processes: list[subprocess.Popen] = []
+
+    def which(self, program: str) -> str:
+        return shutil.which(program, path=self.env["PATH"]) or program
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        """A process in its own session (so that its children stop with it), logging to <name>.log."""
+        with (self.out_dir / f"{name}.log").open("w") as log:
+            process = subprocess.Popen([self.which(args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
+                                       env=self.env, cwd=self.out_dir, start_new_session=True)
+        self.processes.append(process)
+        return process
+
+    def call(self, name: str, args: list[str], *, timeout: float = 60) -> str:
+        """A short flwr CLI command; raises LaunchError (naming its output) if it fails."""
+        result = subprocess.run([self.which(args[0]), *args[1:]], capture_output=True, text=True, env=self.env,
+                                cwd=self.out_dir, timeout=timeout)
+        if result.returncode != 0:
+            (self.out_dir / f"{name}.log").write_text(result.stdout + result.stderr)
+            raise LaunchError(f"`{' '.join(args[:3])}` failed; see {self.out_dir / f'{name}.log'}.")
+        return result.stdout
+
+    def wait_for_port(self, port: int, process: subprocess.Popen, name: str, timeout: float = 60) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if process.poll() is not None:
+                raise LaunchError(f"The {name} exited at start-up; see {self.out_dir / f'{name}.log'}.")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.3)
+        raise LaunchError(f"The {name} did not open port {port} within {timeout:.0f} s; see "
+                          f"{self.out_dir / f'{name}.log'}.")
+
+    def connect(self, port: int, root_certificates: Path | None) -> None:
+        """The flwr CLI's connection to the SuperLink (FLWR_HOME/config.toml)."""
+        security = (f'root-certificates = "{root_certificates.resolve()}"' if root_certificates
+                    else "insecure = true")
+        (self.home / "config.toml").write_text(f'[superlink]\ndefault = "{CONNECTION}"\n\n[superlink.{CONNECTION}]\n'
+                                               f'address = "127.0.0.1:{port}"\n{security}\n')
+
+    def stop_all(self) -> None:
+        for process in reversed(self.processes):  # SuperNodes first, the SuperLink last
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)  # SuperExecs, app processes and Ray follow
+        for process in self.processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def follow(self, app_dir: Path, config: RunConfig, echo, federation_config: str | None = None) -> list[dict]:
+        """Submits the app and prints each round's line as metrics.jsonl grows; returns the rows."""
+        metrics_path = self.out_dir / "metrics.jsonl"
+        metrics_path.unlink(missing_ok=True)
+        args = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
+        if federation_config:
+            args += ["--federation-config", federation_config]
+        runner = self.start("flower", args)
+        rows: list[dict] = []
+        while True:
+            finished = runner.poll() is not None
+            if metrics_path.exists():
+                for line in metrics_path.read_text().splitlines()[len(rows):]:
+                    if line.strip():
+                        rows.append(json.loads(line))
+                        echo(format_progress(rows[-1], config))
+            if finished:
+                break
+            time.sleep(0.5)
+        if len(rows) < config.num_rounds or not (self.out_dir / "global-state.safetensors").exists():
+            raise LaunchError(f"The federation stopped after {len(rows)} of {config.num_rounds} rounds; see "
+                              f"{self.out_dir / 'flower.log'}.")
+        return rows
+
+
+@contextmanager
+def _flower(out_dir: Path):
+    flower = Flower(out_dir)
+    with ExitStack() as stack:
+        stack.callback(flower.stop_all)
+        yield flower
+
+
+def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0) -> list[dict]:
+    """Runs the federation on Ray; returns the per-round metrics. Raises LaunchError if it does not finish."""
+    out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
+    out_dir.mkdir(parents=True, exist_ok=True)
+    app_dir = write_app(config, out_dir)
+    with _flower(out_dir) as flower:
+        port = free_port()
+        flower.connect(port, None)
+        superlink = flower.start("superlink", [
+            "flower-superlink", "--simulation", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+            "--disable-runtime-dependency-installation"])
+        flower.wait_for_port(port, superlink, "superlink", start_timeout)
+        return flower.follow(app_dir, config, echo, federation_config=(
+            f"num-supernodes={config.num_clients} client-resources-num-cpus={config.client_cpus} "
+            f"client-resources-num-gpus={config.client_gpus}"))
+
+
+def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, credentials: Credentials | None,
+                   secret: bool) -> list[str]:
+    """The `flower-supernode` command of node ``index``: TLS and authentication with its own credentials."""
+    node_config = f"partition-id={index} num-partitions={num_nodes}"
+    args = ["flower-supernode", "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port)]
+    if credentials is None:
+        return [*args, "--insecure", "--node-config", node_config]
+    folder = credentials.node_dir(index).resolve()
+    if secret:
+        node_config += f' sketch-secret-file="{folder / "sketch-secret"}"'
+    return [*args, "--root-certificates", str(folder / "ca.crt"), "--auth-supernode-private-key",
+            str(folder / "node.key"), "--node-config", node_config]
+
+
+def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials | None, echo=print,
+                   start_timeout: float = 60.0) -> list[dict]:
+    """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run, then every process stopped.
+
+    With ``credentials`` the SuperLink serves TLS with them and admits only the registered SuperNodes;
+    without, everything runs in Flower's insecure mode.
+    """
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    app_dir = write_app(config, out_dir)
+    with _flower(out_dir) as flower:
+        port = free_port()
+        flower.connect(port, credentials.ca_cert if credentials else None)
+        security = (["--ssl-ca-certfile", str(credentials.ca_cert), "--ssl-certfile", str(credentials.server_cert),
+                     "--ssl-keyfile", str(credentials.server_key), "--enable-supernode-auth"] if credentials
+                    else ["--insecure"])
+        superlink = flower.start("superlink", ["flower-superlink", "--host", "127.0.0.1", "--port", str(port),
+                                               "--disable-runtime-dependency-installation", *security])
+        flower.wait_for_port(port, superlink, "superlink", start_timeout)
+        secret = config.sketch_secret == "node-file"
+        for i in range(config.num_clients):
+            if credentials:
+                flower.call(f"register-{i}", ["flwr", "supernode", "register",
+                                              str(credentials.node_dir(i) / "node.pub"), CONNECTION])
+            node_port = free_port()
+            node = flower.start(f"supernode-{i}", supernode_args(
+                i, superlink=f"127.0.0.1:{port}", port=node_port, num_nodes=config.num_clients,
+                credentials=credentials, secret=secret))
+            flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
+        return flower.follow(app_dir, config, echo)
