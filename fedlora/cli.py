@@ -206,7 +206,8 @@ def _prepare(args: argparse.Namespace, config, command: str):
 def _done(rows: list[dict], out_dir) -> None:
     accuracy = rows[-1]["accuracy"]
     if accuracy is None:
-        print(f"done: metrics.jsonl, global-state.safetensors and accuracy.png in {out_dir}")
+        print(f"done: metrics.jsonl and global-state.safetensors in {out_dir}; the server does not hold the sketch "
+              f"secret: on a node, `fedlora reconstruct {out_dir} --sketch-secret-file PATH` writes the adapter")
     else:
         print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -143,8 +144,6 @@ def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> dat
 
 
 def _cifar_python_train(path: Path) -> tuple[list, list[int]]:
-    import pickle
-
     with path.open("rb") as f:
         try:
             batch = pickle.load(f, encoding="bytes")

@@ -10,16 +10,18 @@ run time: the apps import fedlora from this environment.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
+
+import psutil
 
 from fedlora.config import RunConfig
 from fedlora.credentials import Credentials
@@ -72,11 +74,11 @@ class Flower:
     def which(self, program: str) -> str:
         return shutil.which(program, path=self.env["PATH"]) or program
 
-    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
         """A process in its own session (so that its children stop with it), logging to <name>.log."""
         with (self.out_dir / f"{name}.log").open("w") as log:
             process = subprocess.Popen([self.which(args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
-                                       env=self.env, cwd=self.out_dir, start_new_session=True)
+                                       env={**self.env, **(env or {})}, cwd=self.out_dir, start_new_session=True)
         self.processes.append(process)
         return process
 
@@ -110,15 +112,24 @@ class Flower:
                                                f'address = "127.0.0.1:{port}"\n{security}\n')
 
     def stop_all(self) -> None:
+        """Stops every process started, and every process they started (some leave their parent's session)."""
+        tree = []
         for process in reversed(self.processes):  # SuperNodes first, the SuperLink last
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)  # SuperExecs, app processes and Ray follow
-        for process in self.processes:
             try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+                parent = psutil.Process(process.pid)
+                tree += [parent, *parent.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                pass
+        for member in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.terminate()
+        _, alive = psutil.wait_procs(tree, timeout=20)
+        for member in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                member.kill()
+        psutil.wait_procs(alive, timeout=10)
+        for process in self.processes:
+            process.wait()  # reaps our own children
 
     def follow(self, app_dir: Path, config: RunConfig, echo, federation_config: str | None = None) -> list[dict]:
         """Submits the app and prints each round's line as metrics.jsonl grows; returns the rows."""
@@ -148,9 +159,10 @@ class Flower:
 @contextmanager
 def _flower(out_dir: Path):
     flower = Flower(out_dir)
-    with ExitStack() as stack:
-        stack.callback(flower.stop_all)
+    try:
         yield flower
+    finally:
+        flower.stop_all()
 
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0) -> list[dict]:
@@ -204,6 +216,8 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
                                                "--disable-runtime-dependency-installation", *security])
         flower.wait_for_port(port, superlink, "superlink", start_timeout)
         secret = config.sketch_secret == "node-file"
+        # The nodes share this machine's cores: more torch threads than cores slow training about 15-fold.
+        threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // config.num_clients))}
         for i in range(config.num_clients):
             if credentials:
                 flower.call(f"register-{i}", ["flwr", "supernode", "register",
@@ -211,6 +225,6 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
             node_port = free_port()
             node = flower.start(f"supernode-{i}", supernode_args(
                 i, superlink=f"127.0.0.1:{port}", port=node_port, num_nodes=config.num_clients,
-                credentials=credentials, secret=secret))
+                credentials=credentials, secret=secret), env=threads)
             flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
         return flower.follow(app_dir, config, echo)

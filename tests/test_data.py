@@ -2,6 +2,7 @@
 
 import glob
 import json
+import pickle
 import shutil
 import time
 from collections import Counter
@@ -24,6 +25,7 @@ from fedlora.data import (
     collate,
     image_transform,
     load_cifar100,
+    load_image_dir,
     load_partition,
     make_partitioner,
     make_synthetic_cifar,
@@ -288,3 +290,53 @@ def test_load_cifar100_offline_uses_a_cached_copy(offline, tmp_path):
     loaded = load_cifar100("train", cache_dir=tmp_path / "cache")
     assert loaded.features == CIFAR100_FEATURES
     assert loaded[LABEL_COLUMN] == cached[LABEL_COLUMN]
+
+
+# -- a device's own images (data-dir) ---------------------------------------------------------------
+
+def test_image_dir_reads_cifar100_python_format(tmp_path):
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 256, size=(5, 3 * 32 * 32), dtype=np.uint8)
+    with (tmp_path / "train").open("wb") as f:
+        pickle.dump({b"data": data, b"fine_labels": [3, 1, 4, 1, 5], b"coarse_labels": [0] * 5}, f)
+    ds = load_image_dir(tmp_path, num_classes=100)
+    assert ds.features[LABEL_COLUMN].names[3] == "bear" and ds[LABEL_COLUMN] == [3, 1, 4, 1, 5]
+    # rows are CHW-flattened, as CIFAR stores them
+    assert np.array_equal(np.asarray(ds[0][IMAGE_COLUMN]), data[0].reshape(3, 32, 32).transpose(1, 2, 0))
+
+
+def test_image_dir_reads_an_image_folder_by_class_name_or_index(tmp_path):
+    for folder, n in (("apple", 2), ("worm", 1)):
+        (tmp_path / folder).mkdir()
+        for i in range(n):
+            Image.new("RGB", (40, 24), (i, 0, 0)).save(tmp_path / folder / f"{i}.png")
+    ds = load_image_dir(tmp_path, num_classes=100)
+    assert sorted(ds[LABEL_COLUMN]) == [0, 0, 99]
+    batch = collate([to_torch(ds, 32)[i] for i in range(3)])
+    assert batch["pixel_values"].shape == (3, 3, 32, 32)  # any size is resized
+    indexed = tmp_path / "indexed"
+    (indexed / "7").mkdir(parents=True)
+    Image.new("RGB", (32, 32)).save(indexed / "7" / "a.jpg")
+    assert load_image_dir(indexed, num_classes=10)[LABEL_COLUMN] == [7]
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"cat": 1}, "neither a label index 0..9"),
+    ({"12": 1}, "neither a label index 0..9"),
+    ({}, "holds no images"),
+])
+def test_image_dir_rejects_what_it_cannot_label(tmp_path, layout, message):
+    for folder, n in layout.items():
+        (tmp_path / folder).mkdir()
+        for i in range(n):
+            Image.new("RGB", (8, 8)).save(tmp_path / folder / f"{i}.png")
+    with pytest.raises(ValueError, match=message):
+        load_image_dir(tmp_path, num_classes=10)
+
+
+def test_image_dir_rejects_a_missing_directory_and_a_foreign_pickle(tmp_path):
+    with pytest.raises(ValueError, match="is not a directory"):
+        load_image_dir(tmp_path / "missing", num_classes=10)
+    (tmp_path / "train").write_bytes(b"not a pickle")
+    with pytest.raises(ValueError, match="not CIFAR-100's pickled train file"):
+        load_image_dir(tmp_path, num_classes=10)

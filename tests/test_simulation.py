@@ -1,7 +1,6 @@
 """The real simulation path: a SuperLink in simulation mode, `flwr run`, Ray clients."""
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -9,12 +8,7 @@ import pytest
 from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import run_simulation
-
-
-def _leftovers() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "stat,cmd"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in out if any(p in line for p in ("flower-superlink", "flower-superexec", "raylet"))
-            and not line.startswith("Z")]
+from tests.helpers import leftover_flower_processes
 
 
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch):
@@ -30,7 +24,7 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == 2
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "accuracy.png").exists()
     assert json.loads((tmp_path / "config.json").read_text())["strategy"] == "sgmm-ffa-lora"
-    assert not _leftovers()
+    assert not leftover_flower_processes()
 
 
 @pytest.mark.parametrize("argv, message", [

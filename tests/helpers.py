@@ -1,0 +1,12 @@
+"""Shared by the tests that start real Flower processes."""
+
+import subprocess
+
+FLOWER_PROCESSES = ("flower-superlink", "flower-supernode", "flower-superexec", "flwr-serverapp", "flwr-clientapp",
+                    "raylet")
+
+
+def leftover_flower_processes() -> list[str]:
+    """Live (not zombie) Flower and Ray processes on this machine."""
+    out = subprocess.run(["ps", "-eo", "stat,cmd"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if any(p in line for p in FLOWER_PROCESSES) and not line.startswith("Z")]

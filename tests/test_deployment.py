@@ -1,0 +1,71 @@
+"""Real deployments on 127.0.0.1: a SuperLink and two SuperNodes as processes, two rounds, then nothing left."""
+
+from pathlib import Path
+
+import pytest
+
+from fedlora.cli import main
+from fedlora.config import DEPLOY_PRESET, RunConfig
+from fedlora.credentials import make_credentials
+from fedlora.experiment import reconstruct
+from fedlora.launch import deploy_locally
+from tests.helpers import leftover_flower_processes
+
+FAST = {**DEPLOY_PRESET, "local-steps": 2, "train-examples": 120, "test-examples": 60}
+
+
+def test_an_insecure_deployment_runs_two_rounds_and_cleans_up(tmp_path):
+    config = RunConfig.from_mapping(FAST)
+    lines = []
+    rows = deploy_locally(config, tmp_path, credentials=None, echo=lines.append)
+    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
+    assert all(r["replies"] == 2 and r["accuracy"] is not None for r in rows)
+    assert rows[-1]["threat_model"] == "known-sketch" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
+    assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    assert not leftover_flower_processes()
+
+
+def test_a_tls_deployment_with_node_auth_keeps_the_sketch_secret_on_the_nodes(tmp_path):
+    credentials = make_credentials(tmp_path / "credentials", nodes=2)
+    config = RunConfig.from_mapping({**FAST, "threat-model": "secret-sketch", "sketch-secret": "node-file"})
+    out = tmp_path / "run"
+    rows = deploy_locally(config, out, credentials=credentials, echo=lambda line: None)
+    assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
+    assert rows[-1]["threat_model"] == "secret-sketch" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert all(r["accuracy"] is None for r in rows)  # the server cannot de-sketch: it never had the secret
+    secret = (credentials.node_dir(0) / "sketch-secret").read_text().strip()
+    server_side = [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts]
+    assert server_side and not [p for p in server_side if secret.encode() in p.read_bytes()]
+    assert not (out / "adapter").exists()
+    accuracy, _ = reconstruct(out, credentials.node_dir(1) / "sketch-secret", echo=lambda line: None)
+    assert 0 <= accuracy <= 1 and (out / "adapter" / "adapter_config.json").exists()
+    assert not leftover_flower_processes()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "noise-source=seeded"], "noise from the OS"),
+    (["--set", "threat-model=secret-sketch", "--set", "sketch-secret=run-seed"], "would give the server"),
+    (["--set", "threat-model=secret-sketch", "--insecure"], "drop --insecure"),
+    (["--insecure", "--credentials", "creds"], "exclude each other"),
+    (["--credentials", "missing"], "fedlora credentials DIR --nodes 2"),
+])
+def test_deploy_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.chdir(tmp_path)
+    assert main(["deploy", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_simulations_refuse_a_node_held_secret(capsys, tmp_path):
+    argv = ["run", "--out", str(tmp_path / "r"), "--set", "threat-model=secret-sketch", "--set",
+            "sketch-secret=node-file"]
+    assert main(argv) == 2
+    assert "use `fedlora deploy`" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_reconstruct_needs_a_finished_run(capsys, tmp_path):
+    assert main(["reconstruct", str(tmp_path), "--sketch-secret-file", str(Path(tmp_path) / "s")]) == 2
+    assert "holds no global-state.safetensors" in capsys.readouterr().err
