@@ -1,5 +1,10 @@
 """Real deployments on 127.0.0.1: a SuperLink and two SuperNodes as processes, two rounds, then nothing left."""
 
+import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +16,7 @@ from fedlora.experiment import reconstruct
 from fedlora.launch import deploy_locally
 from tests.helpers import leftover_flower_processes
 
+ROOT = Path(__file__).resolve().parents[1]
 FAST = {**DEPLOY_PRESET, "local-steps": 2, "train-examples": 120, "test-examples": 60}
 
 
@@ -69,3 +75,25 @@ def test_simulations_refuse_a_node_held_secret(capsys, tmp_path):
 def test_reconstruct_needs_a_finished_run(capsys, tmp_path):
     assert main(["reconstruct", str(tmp_path), "--sketch-secret-file", str(Path(tmp_path) / "s")]) == 2
     assert "holds no global-state.safetensors" in capsys.readouterr().err
+
+
+def test_the_readme_deployment_steps_work_verbatim(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("<!-- deployment steps: begin -->")[1].split("<!-- deployment steps: end -->")[0]
+    script = block.split("```bash\n")[1].split("```")[0]
+    assert script.startswith("DEPLOY=$PWD/deploy")
+    script = script.replace("DEPLOY=$PWD/deploy", f"DEPLOY={tmp_path}", 1)  # the same steps, elsewhere
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+    try:
+        result = subprocess.run(["bash", "-e", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=400)
+    finally:  # a failed step leaves the background processes to us; each names $DEPLOY on its command line
+        subprocess.run(["pkill", "-f", str(tmp_path)])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
+    assert rows[-1]["threat_model"] == "known-sketch" and (tmp_path / "run" / "adapter").is_dir()
+    deadline = time.time() + 30  # killed SuperNodes' SuperExecs notice their parent is gone and exit
+    while leftover_flower_processes() and time.time() < deadline:
+        time.sleep(1)
+    assert not leftover_flower_processes()
