@@ -13,7 +13,7 @@ from fedlora.cli import main
 from fedlora.config import DEPLOY_PRESET, RunConfig
 from fedlora.credentials import make_credentials
 from fedlora.experiment import reconstruct
-from fedlora.launch import deploy_locally
+from fedlora.launch import CONNECTION, Flower, deploy_locally, free_port, supernode_args
 from tests.helpers import leftover_flower_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,4 +96,36 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     deadline = time.time() + 30  # killed SuperNodes' SuperExecs notice their parent is gone and exit
     while leftover_flower_processes() and time.time() < deadline:
         time.sleep(1)
+    assert not leftover_flower_processes()
+
+
+def test_the_superlink_admits_registered_supernodes_only(tmp_path):
+    credentials = make_credentials(tmp_path / "credentials", nodes=2)
+    flower = Flower(tmp_path)
+    try:
+        port = free_port()
+        flower.connect(port, credentials.ca_cert)
+        superlink = flower.start("superlink", [
+            "flower-superlink", "--host", "127.0.0.1", "--port", str(port), "--disable-runtime-dependency-installation",
+            "--ssl-ca-certfile", str(credentials.ca_cert), "--ssl-certfile", str(credentials.server_cert),
+            "--ssl-keyfile", str(credentials.server_key), "--enable-supernode-auth"])
+        flower.wait_for_port(port, superlink, "superlink")
+        flower.call("register", ["flwr", "supernode", "register", str(credentials.node_dir(0) / "node.pub"),
+                                 CONNECTION])  # node 1 is never registered
+        nodes = [flower.start(f"supernode-{i}", supernode_args(i, superlink=f"127.0.0.1:{port}", port=free_port(),
+                                                                 num_nodes=2, credentials=credentials, secret=False))
+                 for i in range(2)]
+        deadline = time.time() + 60
+        while nodes[1].poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        assert nodes[1].poll() not in (None, 0)  # refused: it gives up with an error
+        while True:  # the registered node connects (and stays)
+            listed = json.loads(flower.call("list", ["flwr", "supernode", "list", CONNECTION, "--format", "json"]))
+            statuses = [n["status"] for n in listed["nodes"]]
+            if statuses == ["online"] or time.time() > deadline:
+                break
+            time.sleep(1)
+        assert statuses == ["online"] and nodes[0].poll() is None
+    finally:
+        flower.stop_all()
     assert not leftover_flower_processes()
