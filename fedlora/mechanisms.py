@@ -12,11 +12,12 @@ the sketch they compose with and in their noise.
 from __future__ import annotations
 
 import math
-import secrets
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -56,16 +57,23 @@ def clip_message(message: Mapping[str, Tensor], clip_norm: float) -> Message:
     return {name: (t.double() * scale).to(torch.promote_types(t.dtype, torch.float32)) for name, t in message.items()}
 
 
-def secure_generator(device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from the operating system's secure randomness, for deployed clients.
+def os_gaussian_like(t: Tensor, std: float) -> Tensor:
+    """N(0, std^2) entries shaped like t, every bit from the operating system's secure randomness (Box-Muller
+    on 53-bit uniforms from os.urandom), so nothing the server knows or sees can predict the noise."""
+    n = t.numel()
+    pairs = (n + 1) // 2
+    words = np.frombuffer(os.urandom(16 * pairs), dtype=np.uint64).reshape(2, pairs)
+    u1, u2 = ((words >> np.uint64(11)).astype(np.float64) * 2.0 ** -53)  # uniform on [0, 1)
+    radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 lies in (0, 1]: the log is finite
+    z = np.concatenate([radius * np.cos(2 * np.pi * u2), radius * np.sin(2 * np.pi * u2)])[:n]
+    return torch.from_numpy(z.reshape(t.shape) * std).to(device=t.device, dtype=t.dtype)
 
-    Its seed is never derivable from anything the server sends.
-    """
-    return torch.Generator(device=device).manual_seed(secrets.randbits(63))
 
-
-def gaussian_noise_like(t: Tensor, std: float, generator: torch.Generator) -> Tensor:
-    """N(0, std^2) entries shaped like t, drawn on the generator's device and moved to t's."""
+def gaussian_noise_like(t: Tensor, std: float, generator: torch.Generator | None) -> Tensor:
+    """N(0, std^2) entries shaped like t: from a seeded generator (reproducible simulations), or, with None,
+    from the OS's secure randomness (deployments)."""
+    if generator is None:
+        return os_gaussian_like(t, std)
     noise = torch.randn(t.shape, generator=generator, device=generator.device, dtype=torch.float32)
     return noise.to(device=t.device, dtype=t.dtype) * std
 
@@ -112,14 +120,13 @@ class Mechanism:
 
     def privatize(self, message: Mapping[str, Tensor], *, key: SketchKey,
                   noise: torch.Generator | None = None) -> Message:
-        """The client's release. ``noise`` defaults to OS-seeded randomness; seed it only in simulation."""
+        """The client's release. ``noise`` defaults to the OS's secure randomness; seed it only in simulation."""
         out = clip_message(message, self.clip_norm) if self.clip_norm is not None else dict(message)
         out = {name: self.sketch.sketch(t, key=key, name=name) for name, t in out.items()}
         if self.clips_after_sketch:
             out = clip_message(out, self.clip_norm)
         if self.private:
-            generator = noise if noise is not None else secure_generator()
-            out = {name: t + gaussian_noise_like(t, self.noise_std, generator) for name, t in out.items()}
+            out = {name: t + gaussian_noise_like(t, self.noise_std, noise) for name, t in out.items()}
         return out
 
     def desketch(self, message: Mapping[str, Tensor], *, key: SketchKey,

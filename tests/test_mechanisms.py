@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from fedlora.mechanisms import (Mechanism, ThreatModel, clip_message, gaussian_mechanism, message_norm,
-                                sgmm_mechanism, sgmv_mechanism)
+                                os_gaussian_like, sgmm_mechanism, sgmv_mechanism)
 from fedlora.sketch import MatrixSketch, Side, SketchKey, gaussian_matrix
 
 KEY = SketchKey(3, 1)
@@ -114,3 +114,13 @@ def test_clipping_refuses_non_finite_messages_and_never_exceeds_the_clip_in_low_
     big = {"w.lora_B": torch.randn(300, 4, dtype=torch.bfloat16) * 50}
     clipped = clip_message(big, 1.0)
     assert clipped["w.lora_B"].dtype == torch.float32 and message_norm(clipped) <= 1.0
+
+
+def test_os_noise_is_gaussian_and_unpredictable():
+    from scipy import stats
+
+    t = torch.zeros(100_001, dtype=torch.float32)  # odd: Box-Muller's pairs are cut to size
+    a, b = os_gaussian_like(t, 2.0), os_gaussian_like(t, 2.0)
+    assert a.shape == t.shape and a.dtype == torch.float32 and not torch.equal(a, b)
+    assert stats.kstest(a.double().numpy() / 2.0, "norm").pvalue > 1e-4
+    assert abs(float(a.std()) - 2.0) < 0.03
