@@ -10,7 +10,6 @@ import time
 from functools import lru_cache
 
 import psutil
-
 import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
@@ -20,7 +19,7 @@ from fedlora.data import load_image_dir, load_partition, make_partitioner, to_to
 from fedlora.federation import GlobalState, Protocol, num_bytes
 from fedlora.lora import get_adapters
 from fedlora.models import model_spec
-from fedlora.node import NodeSettings, read_sketch_seed
+from fedlora.node import NodeSettings, read_sketch_seed, secret_fingerprint
 from fedlora.training import select_device
 
 app = ClientApp()
@@ -58,9 +57,13 @@ def _local_data(config: RunConfig, node: NodeSettings):
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Which partition this node holds: the server samples partitions, so a seed fixes the run."""
+    """Which partition this node holds (the server samples partitions, so a seed fixes the run) and, when the
+    nodes hold the sketch secret, its fingerprint."""
     node = NodeSettings.from_node_config(context.node_config)
-    return Message(RecordDict({"metrics": MetricRecord({"partition-id": node.partition_id})}), reply_to=msg)
+    metrics = {"partition-id": node.partition_id}
+    if run_config_of(context.run_config).sketch_secret == "node-file":  # the server checks all nodes share it
+        metrics["secret-fingerprint"] = secret_fingerprint(node.sketch_secret_file) if node.sketch_secret_file else -1
+    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
 @app.train()

@@ -238,8 +238,8 @@ def deploy(args: argparse.Namespace) -> None:
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
     config = load_config(args.config, preset + args.set)
     if config.noise_source != "os":
-        raise CLIError('Deployments draw client noise from the OS: with noise-source = "seeded" anyone who knows '
-                       "the run seed could remove it.")
+        raise CLIError('Deployments draw client noise from the OS: set noise-source = "os" (with "seeded" anyone '
+                       "who knows the run seed could remove the noise).")
     if config.threat_model == "secret-sketch" and get_algorithm(config.strategy).sketched:
         if given.get("sketch-secret") == "run-seed":
             raise CLIError('sketch-secret = "run-seed" would give the server the secret sketch: deployments read it '
@@ -254,14 +254,17 @@ def deploy(args: argparse.Namespace) -> None:
     credentials = None
     if args.credentials:
         credentials = Credentials(Path(args.credentials), config.num_clients)
-        missing = [str(f) for f in (credentials.ca_cert, *[credentials.node_dir(i) / "node.key"
-                                                            for i in range(config.num_clients)]) if not f.is_file()]
+        per_node = ("node.key", "sketch-secret") if config.sketch_secret == "node-file" else ("node.key",)
+        needed = [credentials.ca_cert, *[credentials.node_dir(i) / f for i in range(config.num_clients) for f in per_node]]
+        missing = [str(f) for f in needed if not f.is_file()]
         if missing:
             raise CLIError(f"--credentials lacks {missing[0]}: write them with `fedlora credentials DIR --nodes "
                            f"{config.num_clients}`.")
     elif not args.insecure:
         credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
-    print(f"  security: {'TLS and SuperNode authentication, credentials in ' + str(credentials.root) if credentials else 'INSECURE (no TLS, no SuperNode authentication), as asked'}")
+    security = (f"TLS and SuperNode authentication, credentials in {credentials.root}" if credentials
+                else "INSECURE (no TLS, no SuperNode authentication), as asked")
+    print(f"  security: {security}")
     _done(deploy_locally(config, out_dir, credentials=credentials), out_dir)
 
 

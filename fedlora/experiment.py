@@ -21,6 +21,7 @@ from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibr
 from fedlora.privacy.events import Phase
 from fedlora.training import evaluate, select_device
 
+GLOBAL_STATE_FILE = "global-state.safetensors"  # the final aggregate as the server holds it
 
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -130,10 +131,10 @@ class RunRecorder:
         self.echo(format_progress(row, self.config))
         return row
 
-    def finish(self, state: GlobalState) -> None:
-        """The final global state as aggregated, the adapter in PEFT format (if the server can de-sketch it),
-        and accuracy.png."""
-        save_global_state(state, self.out_dir / GLOBAL_STATE_FILE)
+    def finish(self, state: GlobalState, *, secret_fingerprint: int | None = None) -> None:
+        """The final global state as aggregated (with the fingerprint of the nodes' sketch secret, if they hold
+        it), the adapter in PEFT format (if the server can de-sketch it), and accuracy.png."""
+        save_global_state(state, self.out_dir / GLOBAL_STATE_FILE, secret_fingerprint=secret_fingerprint)
         if self.can_reconstruct:
             self.protocol.load_global(self.model, state, self.base)
             save_adapters(self.model, self.out_dir / "adapter")
@@ -146,38 +147,46 @@ class RunRecorder:
                       chance=1 / self.config.num_classes)
 
 
-GLOBAL_STATE_FILE = "global-state.safetensors"
-
-
-def save_global_state(state: GlobalState, path: Path) -> None:
+def save_global_state(state: GlobalState, path: Path, *, secret_fingerprint: int | None = None) -> None:
     from safetensors.torch import save_file
 
-    save_file({n: t.detach().cpu().contiguous() for n, t in state.message.items()}, str(path),
-              metadata={"produced_by": str(state.produced_by)})
+    metadata = {"produced_by": str(state.produced_by)}
+    if secret_fingerprint is not None:
+        metadata["secret_fingerprint"] = str(secret_fingerprint)
+    save_file({n: t.detach().cpu().contiguous() for n, t in state.message.items()}, str(path), metadata=metadata)
 
 
-def load_global_state(path: Path) -> GlobalState:
+def load_global_state(path: Path) -> tuple[GlobalState, int | None]:
+    """The saved state, and the fingerprint of the sketch secret it was made with (None if the server had it)."""
     from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
-        return GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(f.metadata()["produced_by"]))
+        metadata = f.metadata()
+        state = GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(metadata["produced_by"]))
+    fingerprint = metadata.get("secret_fingerprint")
+    return state, int(fingerprint) if fingerprint is not None else None
 
 
 def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> tuple[float, float]:
     """De-sketches a run's final global state with the federation's sketch secret (which only the nodes
     hold), writes the PEFT adapter to the run directory, and returns its test accuracy and loss."""
-    from fedlora.node import read_sketch_seed
+    from fedlora.node import read_sketch_seed, secret_fingerprint
 
     run_dir = Path(run_dir)
     state_path = run_dir / GLOBAL_STATE_FILE
     if not state_path.is_file():
         raise ValueError(f"'{run_dir}' holds no {GLOBAL_STATE_FILE}: is it a finished fedlora run directory?")
+    state, fingerprint = load_global_state(state_path)
+    if fingerprint is None:
+        raise ValueError(f"'{run_dir}' was not sketched with a node-held secret: its adapter/ is already there.")
+    if secret_fingerprint(sketch_secret_file) != fingerprint:
+        raise ValueError(f"'{sketch_secret_file}' is not the sketch secret this run's nodes held.")
     saved = json.loads((run_dir / "config.json").read_text())
     config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
     protocol = Protocol(config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"])
     protocol.sketch_seed = read_sketch_seed(sketch_secret_file)
     model = protocol.build_model().to(select_device())
-    protocol.load_global(model, load_global_state(state_path), get_adapters(model))
+    protocol.load_global(model, state, get_adapters(model))
     save_adapters(model, run_dir / "adapter")
     echo(f"Wrote {run_dir / 'adapter'}.")
     return evaluate(model, to_torch(load_splits(config)[1], model_spec(config.model).image_size))

@@ -2,7 +2,7 @@
 
 ``run_simulation`` (`fedlora run`) starts its own ``flower-superlink --simulation`` on a free local
 port; ``deploy_locally`` (`fedlora deploy`) starts a ``flower-superlink`` and one ``flower-supernode``
-per client, with TLS and SuperNode authentication unless told ``secure=False``. Both submit a small
+per client, with TLS and SuperNode authentication when given credentials. Both submit a small
 generated Flower app with ``flwr run --stream``, print one line per round from the run's metrics.jsonl
 as they arrive, and stop every process they started however the run ends. Neither installs anything at
 run time: the apps import fedlora from this environment.
@@ -23,10 +23,9 @@ from pathlib import Path
 
 import psutil
 
-from fedlora.config import RunConfig
+from fedlora.config import OUT_DIR_KEY, RunConfig
 from fedlora.credentials import Credentials
-from fedlora.config import OUT_DIR_KEY
-from fedlora.experiment import format_progress
+from fedlora.experiment import GLOBAL_STATE_FILE, format_progress
 
 CONNECTION = "fedlora-local"
 
@@ -75,7 +74,7 @@ class Flower:
         return shutil.which(program, path=self.env["PATH"]) or program
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """A process in its own session (so that its children stop with it), logging to <name>.log."""
+        """A process in its own session (a Ctrl-C to us does not reach it first), logging to <name>.log."""
         with (self.out_dir / f"{name}.log").open("w") as log:
             process = subprocess.Popen([self.which(args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
                                        env={**self.env, **(env or {})}, cwd=self.out_dir, start_new_session=True)
@@ -150,7 +149,7 @@ class Flower:
             if finished:
                 break
             time.sleep(0.5)
-        if len(rows) < config.num_rounds or not (self.out_dir / "global-state.safetensors").exists():
+        if len(rows) < config.num_rounds or not (self.out_dir / GLOBAL_STATE_FILE).exists():
             raise LaunchError(f"The federation stopped after {len(rows)} of {config.num_rounds} rounds; see "
                               f"{self.out_dir / 'flower.log'}.")
         return rows

@@ -56,8 +56,7 @@ def write_sketch_secret(path: str | os.PathLike[str]) -> Path:
     return path
 
 
-def read_sketch_seed(path: str | os.PathLike[str]) -> int:
-    """The sketch seed of a secret file: the whole secret (hashed), so no bit of it is dropped."""
+def _read_secret(path: str | os.PathLike[str]) -> bytes:
     path = Path(path).expanduser()
     try:
         text = path.read_text().strip()
@@ -70,4 +69,15 @@ def read_sketch_seed(path: str | os.PathLike[str]) -> int:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"The sketch secret '{path}' has {8 * len(secret)} bits; at least {8 * MIN_SECRET_BYTES} "
                          "are needed.")
-    return int.from_bytes(hashlib.sha256(b"fedlora-sketch" + secret).digest(), "big")
+    return secret
+
+
+def read_sketch_seed(path: str | os.PathLike[str]) -> int:
+    """The sketch seed of a secret file: the whole secret (hashed), so no bit of it is dropped."""
+    return int.from_bytes(hashlib.sha256(b"fedlora-sketch" + _read_secret(path)).digest(), "big")
+
+
+def secret_fingerprint(path: str | os.PathLike[str]) -> int:
+    """48 bits of a separate hash of the secret: lets the server check that every node holds the same secret
+    (and `fedlora reconstruct` that a file is the run's) while revealing nothing usable about it."""
+    return int.from_bytes(hashlib.sha256(b"fedlora-fingerprint" + _read_secret(path)).digest()[:6], "big")

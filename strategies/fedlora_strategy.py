@@ -26,6 +26,7 @@ def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
 def from_arrays(record: ArrayRecord) -> dict[str, torch.Tensor]:
     return dict(record.to_torch_state_dict())
 
+
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
 
 
@@ -44,6 +45,7 @@ class FedLoRAStrategy(Strategy):
         self.sampling = sampling
         self.releases = releases  # phase -> what one round releases, for the ledger
         self.nodes: dict[int, int] | None = None  # partition id -> node id, learned once
+        self.secret_fingerprint: int | None = None  # of the nodes' shared sketch secret (sketch-secret = node-file)
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
 
     def summary(self) -> None:
@@ -62,7 +64,24 @@ class FedLoRAStrategy(Strategy):
             if sorted(self.nodes) != list(range(self.sampling.num_clients)):
                 raise RuntimeError(f"Clients must hold partitions 0..{self.sampling.num_clients - 1} once each; "
                                    f"they reported {sorted(self.nodes)[:10]}...")
+            if self.protocol.config.sketch_secret == "node-file":
+                self.secret_fingerprint = self._shared_fingerprint(replies)
         return self.nodes
+
+    @staticmethod
+    def _shared_fingerprint(replies: list[Message]) -> int:
+        """The fingerprint of the sketch secret every node holds; an error if one has none or they differ (a
+        client de-sketching with another R would corrupt the aggregate without a sound)."""
+        prints = {int(r.content["metrics"]["partition-id"]): int(r.content["metrics"]["secret-fingerprint"])
+                  for r in replies}
+        missing = sorted(p for p, f in prints.items() if f < 0)
+        if missing:
+            raise RuntimeError(f"The SuperNodes of partitions {missing} have no sketch-secret-file in their "
+                               "node config.")
+        if len(set(prints.values())) > 1:
+            raise RuntimeError("The SuperNodes hold different sketch secrets: give every device the same "
+                               "sketch-secret file.")
+        return next(iter(prints.values()))
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
         """The federation's node ids once num-clients SuperNodes are connected (deployed ones connect over

@@ -37,7 +37,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
         return MetricRecord({k: float(v) for k, v in values.items() if math.isfinite(v)})
 
     strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds, evaluate_fn=evaluate_fn)
-    recorder.finish(strategy.state)
+    recorder.finish(strategy.state, secret_fingerprint=strategy.secret_fingerprint)
     return strategy
 
 

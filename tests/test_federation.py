@@ -9,9 +9,10 @@ from peft import PeftModel
 
 from clients.app import app as client_app
 from fedlora.config import run_config_of
-from fedlora.experiment import noise_for
+from fedlora.experiment import noise_for, reconstruct
 from fedlora.federation import DENSE
 from fedlora.models import build_backbone
+from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
 from fedlora.sketch import Side, side_of
 from strategies.server_app import run_federation
@@ -153,3 +154,29 @@ def test_sampling_follows_partitions_not_node_ids(tmp_path):
     calls_b, state_b = run(tmp_path / "b", [8, 2 ** 62, 1, 2 ** 64 - 1, 12345])
     assert calls_a == calls_b
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)
+
+
+def _secret_run(tmp_path, secrets_by_partition):
+    """An in-process secret-sketch run whose nodes read the sketch secret from files, as deployed ones do."""
+    config = {**SMALL, "strategy": "sgmm-ffa-lora", "threat-model": "secret-sketch", "sketch-secret": "node-file",
+              "target-epsilon": 10.0, "out-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app, config["num-clients"], config)
+    for partition, node_id in enumerate(grid.node_ids):
+        if secrets_by_partition[partition] is not None:
+            grid.contexts[node_id].node_config["sketch-secret-file"] = str(secrets_by_partition[partition])
+    return run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                          echo=lambda line: None)
+
+
+def test_nodes_must_share_one_sketch_secret(tmp_path):
+    a, b = write_sketch_secret(tmp_path / "a"), write_sketch_secret(tmp_path / "b")
+    with pytest.raises(RuntimeError, match="different sketch secrets"):
+        _secret_run(tmp_path / "differ", [a, a, a, b, a])
+    with pytest.raises(RuntimeError, match=r"partitions \[2\] have no sketch-secret-file"):
+        _secret_run(tmp_path / "missing", [a, a, None, a, a])
+    strategy = _secret_run(tmp_path / "ok", [a] * 5)
+    assert strategy.secret_fingerprint == secret_fingerprint(a)
+    with pytest.raises(ValueError, match="is not the sketch secret this run's nodes held"):
+        reconstruct(tmp_path / "ok", b, echo=lambda line: None)
+    accuracy, _ = reconstruct(tmp_path / "ok", a, echo=lambda line: None)
+    assert 0 <= accuracy <= 1 and (tmp_path / "ok" / "adapter" / "adapter_config.json").exists()
