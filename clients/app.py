@@ -84,12 +84,14 @@ def train(msg: Message, context: Context) -> Message:
     model, base = _model(config, protocol.client_rank(partition_id))
     state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
                         int(round_config["produced-by"]))
-    round_ = int(round_config["server-round"])
-    noise = protocol.simulation_noise(round_, partition_id) if config.noise_source == "seeded" else None
+    round_, release = int(round_config["server-round"]), int(round_config["release"])
+    noise = protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
     result = protocol.local_round(model, base, _local_data(config, node), state,
-                                  round_=round_, partition_id=partition_id, noise=noise)
-    metrics = MetricRecord({"train-loss": float(result.train_loss), "partition-id": partition_id,
-                            "bytes-up": num_bytes(result.release), "train-seconds": result.train_seconds,
-                            "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds})
+                                  round_=round_, release=release, partition_id=partition_id, noise=noise)
+    metrics = {"partition-id": partition_id, "bytes-up": num_bytes(result.release), "train-seconds": result.train_seconds,
+               "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds}
+    if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
+        metrics["train-loss"] = float(result.train_loss)
+    metrics = MetricRecord(metrics)
     return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in result.release.items()}),
                                "metrics": metrics}), reply_to=msg)

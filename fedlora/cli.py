@@ -181,17 +181,22 @@ def _print_paper_table(rows) -> None:
           "sketch and is shown only to explain the paper's numbers: never use it as a privacy claim.")
 
 
-def _prepare(args: argparse.Namespace, config, command: str):
+def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     """Checks and calibration before any process starts; prints what will run. Returns the run directory."""
     import time
     from pathlib import Path
 
-    from fedlora.experiment import check_before_start, noise_for
+    from fedlora.checkpoint import STATE_FILE
+    from fedlora.experiment import check_before_start, noise_for, sampling_of
     from fedlora.federation import Protocol
 
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
-    out_dir = Path(args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    resuming = out_dir is not None
+    out_dir = Path(out_dir or args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if not resuming and (out_dir / STATE_FILE).is_file():
+        raise CLIError(f"'{out_dir}' holds a run already: continue it with `fedlora run --resume {out_dir}`, or "
+                       "choose another --out.")
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
@@ -200,10 +205,25 @@ def _prepare(args: argparse.Namespace, config, command: str):
     print(f"  mechanism: {protocol.mechanism.describe()}")
     if plan.planned is not None:
         print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
+        budget = config.budget()
+        if budget is not None and plan.planned.epsilon > budget:
+            if plan.new_ledger(config).would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)],
+                                                            sampling_of(config)):
+                raise CLIError(f"The budget epsilon = {budget:g} does not cover one round at noise multiplier "
+                               f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
+            print(f"  budget: epsilon = {budget:g}; the run stops before the round that would pass it")
     return out_dir
 
 
 def _done(rows: list[dict], out_dir) -> None:
+    from fedlora.checkpoint import BUDGET_SPENT, Checkpoint
+
+    saved = Checkpoint.load(out_dir)
+    if saved.status == BUDGET_SPENT:
+        print(f"stopped after round {saved.rounds_done}: {saved.reason}")
+    if not rows:
+        print(f"done: no round completed; see {out_dir}")
+        return
     accuracy = rows[-1]["accuracy"]
     if accuracy is None:
         print(f"done: metrics.jsonl and global-state.safetensors in {out_dir}; the server does not hold the sketch "
@@ -213,16 +233,43 @@ def _done(rows: list[dict], out_dir) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    """Validate, calibrate, then run the simulated federation on a local SuperLink."""
+    """Validate, calibrate, then run (or continue) the simulated federation on a local SuperLink."""
     from fedlora.config import load_config
     from fedlora.launch import run_simulation
 
+    if args.resume:
+        return resume(args)
     config = load_config(args.config, args.set)
     if config.sketch_secret == "node-file":
         raise CLIError('sketch-secret = "node-file" needs SuperNodes that hold the secret: use `fedlora deploy`; '
                        "simulations derive it from the run seed.")
     out_dir = _prepare(args, config, "run")
     _done(run_simulation(config, out_dir), out_dir)
+
+
+def resume(args: argparse.Namespace) -> None:
+    """Continues a run from its checkpoint, with its own config."""
+    from pathlib import Path
+
+    from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
+    from fedlora.experiment import load_run_config
+    from fedlora.launch import run_simulation
+
+    if args.config or args.set or args.out:
+        raise CLIError("--resume continues a run with its own config and directory: drop --config, --set and --out.")
+    out_dir = Path(args.resume)
+    config, _, _ = load_run_config(out_dir)
+    saved = Checkpoint.load(out_dir) if (out_dir / STATE_FILE).is_file() else None
+    if saved is not None and saved.status in ENDED:
+        raise CLIError(f"The run in '{out_dir}' has ended ({saved.status}, {saved.rounds_done} rounds): there is "
+                       "nothing to resume.")
+    if saved is not None and not saved.simulated:
+        raise CLIError(f"The run in '{out_dir}' was a deployment: `fedlora run --resume` resumes simulations only.")
+    _prepare(args, config, "run", out_dir=out_dir)
+    done = saved.rounds_done if saved else 0
+    epsilon = f", epsilon {saved.rows[-1]['epsilon']:.3f} spent" if saved and saved.rows else ""
+    print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
+    _done(run_simulation(config, out_dir, resume=True), out_dir)
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -285,6 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="a TOML preset (e.g. configs/quickstart.toml); default: the quickstart")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
+    r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
+                                                   "a kill or a stop), with its own config")
 
     dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
     dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")
@@ -357,8 +406,9 @@ def main(argv: list[str] | None = None) -> int:
             result = privacy(args)
             print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
         return 0
-    except ValueError as error:  # every bad input the package detects is a ValueError with one sentence
-        print(f"fedlora: error: {error}", file=sys.stderr)
+    except ValueError as error:  # every bad input the package detects: a ValueError, one sentence per problem
+        for line in str(error).splitlines():
+            print(f"fedlora: error: {line}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # a run that started and failed (SimulationError): its log is named
         print(f"fedlora: error: {error}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 Every option is declared once below with its type, default and check. ``RunConfig.from_mapping``
 rejects unknown keys (suggesting the nearest valid one), converts types, and checks ranges and
-cross-constraints, raising ``ValueError`` with one sentence per problem before any work starts.
+cross-constraints (including rank and sketch dimension against the model's layers), raising a
+``ConfigError`` that lists every problem, one sentence per line, before any work starts.
 """
 
 from __future__ import annotations
@@ -20,16 +21,26 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-from fedlora.algorithms import ALGORITHMS, LoRAMode, get_algorithm
+from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.data import PARTITIONER_KINDS, load_cifar100, synthetic_splits
-from fedlora.models import MODELS
+from fedlora.models import MODELS, adapted_layer_shapes
 
 DATASETS = ("synthetic", "cifar100")
-OUT_DIR_KEY = "out-dir"  # the one run-config key outside the vocabulary: where the ServerApp writes
+OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the ServerApp writes,
+RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
+SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fedlora run`)
 # `fedlora deploy` without --config: two SuperNodes on this machine, two rounds, OS noise.
 DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "train-examples": 400,
                  "test-examples": 200, "noise-source": "os"}
 HEAD_MODES = ("message", "probe", "frozen")
+
+
+class ConfigError(ValueError):
+    """Every problem of a configuration, one sentence each (``str`` puts one per line)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
@@ -56,9 +67,11 @@ class RunConfig:
     svd_split: str = _opt("into-b", "FlexLoRA: singular values into B, or split as square roots",
                           choices=("into-b", "sqrt"))
     sketch_dim: int = _opt(0, "b for SGMM, h for SGMV (0: b = 64, h = 64 r)", low=0)
-    target_epsilon: float = _opt(8.0, "privacy budget epsilon (0: use noise-multiplier as given)", low=0.0)
+    target_epsilon: float = _opt(8.0, "privacy budget epsilon: the noise is calibrated to spend it in num-rounds (or, "
+                                      "with a noise-multiplier, the run stops before passing it; 0: no budget)",
+                                 low=0.0)
     delta: float = _opt(1e-5, "delta", low=0.0, high=1.0, low_open=True)
-    noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm, used when target-epsilon is 0", low=0.0)
+    noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
     sketch_secret: str = _opt("run-seed", "secret-sketch: the sketch seed derived from the run seed (simulation: the "
@@ -79,6 +92,11 @@ class RunConfig:
     model: str = _opt("vit-tiny", "backbone", choices=tuple(MODELS))
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
+    min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
+                                "clients-per-round, rounded up)", low=0)
+    round_retries: int = _opt(2, "retries of a round with too few valid replies before the run stops (every try is "
+                                 "a release and counts in epsilon)", low=0)
+    reply_timeout: float = _opt(600.0, "seconds a round waits for its clients' replies", low=0.0, low_open=True)
     eval_every: int = _opt(1, "evaluate the global model every this many rounds", low=1)
     seed: int = _opt(0, "seed of the model init, data, sampling, sketches and (simulation) noise", low=0)
     noise_source: str = _opt("seeded", "client noise: seeded from the run seed (reproducible simulations) or the "
@@ -100,49 +118,88 @@ class RunConfig:
         """A validated config from vocabulary keys; unspecified keys come from ``base`` (default: defaults)."""
         by_key = {cls.key(f.name): f for f in fields(cls)}
         current = dataclasses.asdict(base) if base is not None else {}
+        problems = []
         for key, value in values.items():
             if key not in by_key:
                 near = difflib.get_close_matches(key, by_key, n=1)
-                raise ValueError(f"Unknown key '{key}'" + (f"; did you mean '{near[0]}'?" if near else "."))
-            current[by_key[key].name] = _convert(key, value, by_key[key].type)
-        config = cls(**current)
-        config.validate()
+                problems.append(f"Unknown key '{key}'" + (f"; did you mean '{near[0]}'?" if near else "."))
+                continue
+            try:
+                current[by_key[key].name] = _convert(key, value, by_key[key].type)
+            except ValueError as error:
+                problems.append(str(error))
+        config = cls(**current)  # a value that did not convert keeps its default: its problem is named above
+        problems += config.problems()
+        if problems:
+            raise ConfigError(problems)
         return config
 
     def validate(self) -> None:
+        """Raises ConfigError naming every problem, if there is one."""
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+
+    def problems(self) -> list[str]:
+        """Every range and cross-constraint this configuration breaks, one sentence each."""
+        problems = []
         for f in fields(self):
             value, meta, key = getattr(self, f.name), f.metadata, self.key(f.name)
             if meta["choices"] and value not in meta["choices"]:
-                raise ValueError(f"{key} must be one of {', '.join(map(str, meta['choices']))}, got '{value}'.")
+                problems.append(_choice_problem(key, value, meta["choices"]))
+                continue
             low, high = meta["low"], meta["high"]
             if low is not None and (value < low or (meta["low_open"] and value == low)):
-                raise ValueError(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
-            if high is not None and value > high:
-                raise ValueError(f"{key} must be <= {high:g}, got {value}.")
+                problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
+            elif high is not None and value > high:
+                problems.append(f"{key} must be <= {high:g}, got {value}.")
+        if problems:  # the cross-constraints below assume every field is in range
+            return problems
         algorithm = get_algorithm(self.strategy)
         if self.clients_per_round > self.num_clients:
-            raise ValueError(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
-                             f"({self.num_clients}).")
+            problems.append(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
+                            f"({self.num_clients}).")
+        if self.min_replies > self.clients_per_round:
+            problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
+                            f"({self.clients_per_round}).")
         if self.delta >= 1:
-            raise ValueError(f"delta must lie in (0, 1), got {self.delta}.")
+            problems.append(f"delta must lie in (0, 1), got {self.delta}.")
         if self.client_ranks and algorithm.family is not LoRAMode.FLEX:
-            raise ValueError("client-ranks (heterogeneous ranks) needs a FlexLoRA strategy: FFA averages B, "
-                             "which needs one rank.")
-        for r in self.parsed_client_ranks():
-            if not 1 <= r <= self.rank:
-                raise ValueError(f"Every client rank must lie in [1, rank = {self.rank}], got {r}.")
+            problems.append("client-ranks (heterogeneous ranks) needs a FlexLoRA strategy: FFA averages B, "
+                            "which needs one rank.")
+        try:
+            ranks = self.parsed_client_ranks()
+        except ValueError as error:
+            problems.append(str(error))
+            ranks = []
+        problems += [f"Every client rank must lie in [1, rank = {self.rank}], got {r}." for r in ranks
+                     if not 1 <= r <= self.rank]
         if algorithm.private and self.target_epsilon == 0 and self.noise_multiplier == 0:
-            raise ValueError(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
+            problems.append(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
         if self.threat_model == "secret-sketch" and algorithm.sketched and self.sampling == "poisson":
-            raise ValueError("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
+            problems.append("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
         if self.sketch_secret == "node-file" and not (self.threat_model == "secret-sketch" and algorithm.sketched):
-            raise ValueError("sketch-secret = \"node-file\" is for sketched strategies under threat-model = "
-                             "\"secret-sketch\"; under known-sketch the server broadcasts the sketch seeds.")
+            problems.append("sketch-secret = \"node-file\" is for sketched strategies under threat-model = "
+                            "\"secret-sketch\"; under known-sketch the server broadcasts the sketch seeds.")
         if self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
-            raise ValueError(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
-                             "LoRA rounds after it.")
+            problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
+                            "LoRA rounds after it.")
         if self.dataset == "cifar100" and self.num_classes != 100:
-            raise ValueError("CIFAR-100 has 100 classes: set num-classes = 100.")
+            problems.append("CIFAR-100 has 100 classes: set num-classes = 100.")
+        try:  # rank <= every adapted layer's sides; b <= m (SGMM), h <= m r (SGMV)
+            check_layer_sizes(algorithm, adapted_layer_shapes(self.model, targets=self.targets).values(),
+                              rank=self.rank, sketch_dim=self.effective_sketch_dim())
+        except ValueError as error:
+            problems.append(str(error))
+        return problems
+
+    def required_replies(self) -> int:
+        """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up)."""
+        return self.min_replies or -(-self.clients_per_round // 2)
+
+    def budget(self) -> float | None:
+        """The epsilon the run must not pass (None: no budget)."""
+        return self.target_epsilon or None
 
     def linear_probe_rounds(self) -> int:
         """Rounds of the private linear-probe phase (head = probe), else 0."""
@@ -164,6 +221,15 @@ class RunConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         return {self.key(f.name): getattr(self, f.name) for f in fields(self)}
+
+
+def _choice_problem(key: str, value: Any, choices: tuple) -> str:
+    if key == "strategy" and str(value).startswith("sgmv-flex"):
+        return ("SGMV cannot be used with FlexLoRA: the server multiplies B A, which a vectorized sketch of B does "
+                "not allow (paper Remark 3.2); use sgmm-flexlora or sgmv-ffa-lora.")
+    near = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"; did you mean '{near[0]}'?" if near else "."
+    return f"{key} must be one of {', '.join(map(str, choices))}, got '{value}'{hint}"
 
 
 def _convert(key: str, value: Any, kind: Any) -> Any:
@@ -212,8 +278,9 @@ def load_config(path: str | Path | None = None, assignments: list[str] | None = 
 
 
 def run_config_of(values: dict[str, Any]) -> RunConfig:
-    """The validated RunConfig of a Flower run config (which also carries ``out-dir``)."""
-    return RunConfig.from_mapping({k: v for k, v in values.items() if k != OUT_DIR_KEY})
+    """The validated RunConfig of a Flower run config (which may also carry the launch keys above)."""
+    return RunConfig.from_mapping({k: v for k, v in values.items()
+                                   if k not in (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY)})
 
 
 @lru_cache(maxsize=2)

@@ -1,5 +1,5 @@
 """A run, free of Flower: its data, its calibrated noise, its ledger, and what it writes to the run directory
-(the resolved config, metrics.jsonl, the final adapter in PEFT format, accuracy.png).
+(the resolved config, metrics.jsonl, the checkpoint, the final adapter in PEFT format, accuracy.png).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from fedlora.algorithms import check_layer_sizes, get_algorithm
+from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
 from fedlora.config import RunConfig, load_splits
 from fedlora.data import to_torch
 from fedlora.federation import LORA, PROBE, GlobalState, Protocol
@@ -20,9 +20,6 @@ from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.events import Phase
 from fedlora.training import evaluate, select_device
-
-GLOBAL_STATE_FILE = "global-state.safetensors"  # the final aggregate as the server holds it
-
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
     if config.sampling == "fixed":
@@ -46,7 +43,7 @@ class NoisePlan:
 
 
 def noise_for(config: RunConfig) -> NoisePlan:
-    """Noise multipliers calibrated for target-epsilon over num-rounds (or as given).
+    """Noise multipliers calibrated for target-epsilon over num-rounds (or noise-multiplier as given).
 
     With a linear probe the probe phase alone is calibrated to ``probe-budget`` of the target, then
     the LoRA phase to what the composition of both leaves.
@@ -70,7 +67,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
         return [*probe, Phase(LORA, lora_release(z_lora), sampling, config.num_rounds - probe_rounds)]
 
     threat = config.threat_model
-    if config.target_epsilon > 0:
+    if config.noise_multiplier == 0:  # calibrated to spend target-epsilon in num-rounds
         z_probe = calibrate(lambda z: phases(z, 1.0)[:1], target_epsilon=config.probe_budget * config.target_epsilon,
                             delta=config.delta, threat_model=threat).noise_multiplier if probe_rounds else 0.0
         z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon, delta=config.delta,
@@ -82,21 +79,27 @@ def noise_for(config: RunConfig) -> NoisePlan:
 
 
 class RunRecorder:
-    """Evaluates the global model as clients reconstruct it, prints one line per round, writes the run directory."""
+    """Evaluates the global model as clients reconstruct it, prints one line per round, writes the run directory.
 
-    def __init__(self, config: RunConfig, protocol: Protocol, out_dir: Path, *, echo=print):
+    ``rows`` (a resumed run's metrics so far) keeps the run directory's config and rewrites metrics.jsonl
+    with exactly those rows; otherwise both are written anew.
+    """
+
+    def __init__(self, config: RunConfig, protocol: Protocol, out_dir: Path, *, echo=print,
+                 rows: list[dict] | None = None):
         self.config, self.protocol, self.out_dir, self.echo = config, protocol, Path(out_dir), echo
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        (self.out_dir / "config.json").write_text(json.dumps(
-            {**config.to_mapping(), "noise-multiplier (used)": protocol.noise_multiplier,
-             "probe-noise-multiplier (used)": protocol.probe_noise_multiplier}, indent=2) + "\n")
+        if rows is None:
+            (self.out_dir / "config.json").write_text(json.dumps(
+                {**config.to_mapping(), "noise-multiplier (used)": protocol.noise_multiplier,
+                 "probe-noise-multiplier (used)": protocol.probe_noise_multiplier}, indent=2) + "\n")
+        self.rows: list[dict] = list(rows or [])  # as in metrics.jsonl: null where a round has no value
         self.metrics_path = self.out_dir / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
         self.model = protocol.build_model().to(select_device())
         self.base = get_adapters(self.model)
         self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size)
         self.started = time.time()
-        self.rows: list[dict] = []
 
     @property
     def can_reconstruct(self) -> bool:
@@ -116,80 +119,77 @@ class RunRecorder:
                "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
                "noise_multiplier": self.protocol.noise_multiplier,
                "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
+               "releases": ledger.rounds if ledger is not None else info.get("release", round_),
                "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
-               "replies": info.get("replies", 0), "bytes_up": info.get("bytes_up", 0),
-               "bytes_down": info.get("bytes_down", 0),
+               "replies": info.get("replies", 0), "failed": info.get("failed", 0),
+               "rejected": info.get("rejected", 0),
+               "bytes_up": info.get("bytes_up", 0), "bytes_down": info.get("bytes_down", 0),
                "aggregation_seconds": info.get("aggregation_seconds", 0.0),
                "client_train_seconds": info.get("train_seconds", math.nan),
                "client_privatize_seconds": info.get("privatize_seconds", math.nan),
                "client_startup_seconds": info.get("startup_seconds", math.nan),
                "seconds": time.time() - info.get("started", self.started)}
+        row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)
-        with self.metrics_path.open("a") as f:  # strict JSON: null where a round has no value
-            f.write(json.dumps({k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()},
-                               allow_nan=True) + "\n")
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
         self.echo(format_progress(row, self.config))
         return row
 
-    def finish(self, state: GlobalState, *, secret_fingerprint: int | None = None) -> None:
-        """The final global state as aggregated (with the fingerprint of the nodes' sketch secret, if they hold
-        it), the adapter in PEFT format (if the server can de-sketch it), and accuracy.png."""
-        save_global_state(state, self.out_dir / GLOBAL_STATE_FILE, secret_fingerprint=secret_fingerprint)
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Writes the checkpoint with the metrics rows so far."""
+        checkpoint.rows = self.rows
+        checkpoint.save(self.out_dir)
+
+    def finish(self, state: GlobalState, *, status: str = FINISHED, reason: str = "") -> None:
+        """After the last round (or an early stop): the adapter in PEFT format (if the server can de-sketch
+        it) and accuracy.png. The checkpoint already holds the final state."""
+        if status not in (FINISHED, BUDGET_SPENT):
+            self.echo(f"The run stopped early ({reason}); resume it with `fedlora run --resume {self.out_dir}`.")
+            return
+        if status == BUDGET_SPENT:
+            self.echo(f"Stopped after round {len(self.rows)} of {self.config.num_rounds}: {reason}.")
         if self.can_reconstruct:
             self.protocol.load_global(self.model, state, self.base)
             save_adapters(self.model, self.out_dir / "adapter")
         else:
             self.echo(f"The server does not hold the sketch secret: reconstruct the adapter on a node with "
                       f"`fedlora reconstruct {self.out_dir} --sketch-secret-file PATH`.")
+        epsilon = self.rows[-1]["epsilon"] if self.rows else 0.0
         privacy = (f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}, "
-                   f"epsilon = {self.rows[-1]['epsilon']:.3g}" if self.protocol.algorithm.private else "not private")
+                   f"epsilon = {epsilon:.3g}" if self.protocol.algorithm.private else "not private")
         plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
                       chance=1 / self.config.num_classes)
 
 
-def save_global_state(state: GlobalState, path: Path, *, secret_fingerprint: int | None = None) -> None:
-    from safetensors.torch import save_file
-
-    metadata = {"produced_by": str(state.produced_by)}
-    if secret_fingerprint is not None:
-        metadata["secret_fingerprint"] = str(secret_fingerprint)
-    save_file({n: t.detach().cpu().contiguous() for n, t in state.message.items()}, str(path), metadata=metadata)
-
-
-def load_global_state(path: Path) -> tuple[GlobalState, int | None]:
-    """The saved state, and the fingerprint of the sketch secret it was made with (None if the server had it)."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        metadata = f.metadata()
-        state = GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(metadata["produced_by"]))
-    fingerprint = metadata.get("secret_fingerprint")
-    return state, int(fingerprint) if fingerprint is not None else None
-
-
 def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> tuple[float, float]:
-    """De-sketches a run's final global state with the federation's sketch secret (which only the nodes
-    hold), writes the PEFT adapter to the run directory, and returns its test accuracy and loss."""
+    """De-sketches a run's global state with the federation's sketch secret (which only the nodes hold), writes
+    the PEFT adapter to the run directory, and returns its test accuracy and loss."""
     from fedlora.node import read_sketch_seed, secret_fingerprint
 
-    run_dir = Path(run_dir)
-    state_path = run_dir / GLOBAL_STATE_FILE
-    if not state_path.is_file():
-        raise ValueError(f"'{run_dir}' holds no {GLOBAL_STATE_FILE}: is it a finished fedlora run directory?")
-    state, fingerprint = load_global_state(state_path)
-    if fingerprint is None:
-        raise ValueError(f"'{run_dir}' was not sketched with a node-held secret: its adapter/ is already there.")
-    if secret_fingerprint(sketch_secret_file) != fingerprint:
+    saved = Checkpoint.load(Path(run_dir))
+    if saved.secret_fingerprint is None:
+        raise ValueError(f"'{run_dir}' was not sketched with a node-held secret: its adapter/ is written by the run.")
+    if secret_fingerprint(sketch_secret_file) != saved.secret_fingerprint:
         raise ValueError(f"'{sketch_secret_file}' is not the sketch secret this run's nodes held.")
-    saved = json.loads((run_dir / "config.json").read_text())
-    config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
-    protocol = Protocol(config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"])
+    config, z, z_probe = load_run_config(run_dir)
+    protocol = Protocol(config, z, z_probe)
     protocol.sketch_seed = read_sketch_seed(sketch_secret_file)
     model = protocol.build_model().to(select_device())
-    protocol.load_global(model, state, get_adapters(model))
-    save_adapters(model, run_dir / "adapter")
-    echo(f"Wrote {run_dir / 'adapter'}.")
+    protocol.load_global(model, saved.state, get_adapters(model))
+    save_adapters(model, Path(run_dir) / "adapter")
+    echo(f"Wrote {Path(run_dir) / 'adapter'} (after round {saved.rounds_done}).")
     return evaluate(model, to_torch(load_splits(config)[1], model_spec(config.model).image_size))
+
+
+def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:
+    """A run directory's config and the noise multipliers it used (LoRA, linear probe)."""
+    path = Path(run_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"'{run_dir}' holds no config.json: is it a fedlora run directory?")
+    saved = json.loads(path.read_text())
+    config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
+    return config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"]
 
 
 def format_progress(row: dict, config: RunConfig) -> str:
@@ -197,19 +197,20 @@ def format_progress(row: dict, config: RunConfig) -> str:
     measured = row["accuracy"] is not None and not math.isnan(row["accuracy"])
     accuracy = f"{row['accuracy']:6.3f}" if measured else "     -"
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
-    return (f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  "
-            f"{row['seconds']:.1f} s")
+    line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
+    if row.get("replies", 0) < row.get("sampled", 0):
+        line += f"  ({row['replies']} of {row['sampled']} replies)"
+    if row.get("releases", row["round"]) > row["round"]:
+        line += f"  ({row['releases']} releases: retries count)"
+    return line
 
 
 def check_before_start(config: RunConfig) -> None:
-    """What can be known to fail before any process starts: data reachability and layer sizes."""
+    """What the config alone cannot tell and can be known before any process starts: data reachability."""
     from fedlora.hub import offline_requested, unreachable_reason
-    from fedlora.models import adapted_layer_shapes
 
     if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
         raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\".")
-    check_layer_sizes(get_algorithm(config.strategy), adapted_layer_shapes(config.model, targets=config.targets).values(),
-                      rank=config.rank, sketch_dim=config.effective_sketch_dim())
 
 
 def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:
@@ -218,7 +219,7 @@ def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(r["round"], r["accuracy"]) for r in rows if not math.isnan(r["accuracy"])]
+    points = [(r["round"], r["accuracy"]) for r in rows if r["accuracy"] is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     if points:
         ax.plot(*zip(*points), marker="o", label="global model")

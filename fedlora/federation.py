@@ -2,8 +2,12 @@
 server does with the replies. ``strategies`` and ``clients`` are thin Flower glue around this.
 
 The global state is the aggregate of the last round, in sketched space when the mechanism sketches
-(FFA: mean of R B_c; Flex: top-r SVD of the mean of (R B_c)(A_c R_A)), together with the round whose
-sketches produced it. A client de-sketches it with that round's R before training.
+(FFA: mean of R B_c; Flex: top-r SVD of the mean of (R B_c)(A_c R_A)), together with the release whose
+sketches produced it. A client de-sketches it with that release's R before training.
+
+Rounds are numbered 1..T; releases count every time clients were sampled, retries included. Without
+retries the two are equal. Sketches, noise and batches are seeded by the release, so a retried round
+never reuses a sketch or noise.
 """
 
 from __future__ import annotations
@@ -18,11 +22,10 @@ from torch import Tensor
 
 from fedlora.aggregation import mean_message, redistribute, svd_of_mean_product, truncate
 from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
-from fedlora.mechanisms import gaussian_mechanism
 from fedlora.config import RunConfig
 from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, set_adapters, set_head,
                           to_message)
-from fedlora.mechanisms import Message
+from fedlora.mechanisms import Message, gaussian_mechanism, message_norm
 from fedlora.sketch import NoSketch, SketchKey, Side, side_of
 from fedlora.training import local_sgd
 
@@ -39,7 +42,7 @@ def derive_seed(*parts: int | str) -> int:
 @dataclass(frozen=True)
 class GlobalState:
     message: Message  # "<layer>.lora_B", "<layer>.lora_A" (Flex), head entries; dense or sketched
-    produced_by: int  # the round whose sketches produced ``message``; DENSE if not sketched
+    produced_by: int  # the release whose sketches produced ``message``; DENSE if not sketched
 
 
 @dataclass(frozen=True)
@@ -105,8 +108,42 @@ class Protocol:
     def initial_state(self, model) -> GlobalState:
         return GlobalState({**to_message(get_adapters(model), mode=self.mode), **get_head(model)}, DENSE)
 
-    def key(self, round_: int) -> SketchKey:
-        return SketchKey(self.sketch_seed, round_)
+    def key(self, release: int) -> SketchKey:
+        return SketchKey(self.sketch_seed, release)
+
+    def expected_message(self, template: Message, round_: int, rank: int) -> dict[str, tuple[int, ...]]:
+        """Entry shapes of a rank-``rank`` client's message (before privatizing) in ``round_``, from a dense,
+        full-rank ``template`` such as the initial state."""
+        phase, shapes = self.phase(round_), {}
+        for name, t in template.items():
+            side = side_of(name)
+            if side is Side.DENSE:
+                if phase == PROBE or self.config.head == "message":
+                    shapes[name] = tuple(t.shape)
+            elif phase == LORA:
+                shapes[name] = (t.shape[0], rank) if side is Side.LEFT else (rank, t.shape[1])
+        return shapes
+
+    def release_problem(self, release: Message, template: Message, *, round_: int, rank: int) -> str | None:
+        """Why a client's release cannot be honest (wrong entries, shapes or dtype, NaN/Inf, a norm above what
+        the mechanism allows), or None."""
+        expected = self.expected_message(template, round_, rank)
+        if set(release) != set(expected):
+            odd = sorted(set(release) ^ set(expected))
+            return f"its entries differ from the expected ones ({', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''})"
+        mechanism = self.mechanism_for(round_)
+        for name, shape in mechanism.released_shapes(expected).items():
+            t = release[name]
+            if tuple(t.shape) != shape:
+                return f"'{name}' has shape {tuple(t.shape)}, not {shape}"
+            if t.dtype != template[name].dtype:
+                return f"'{name}' has dtype {t.dtype}, not {template[name].dtype}"
+            if not torch.isfinite(t).all():
+                return f"'{name}' holds NaN or Inf"
+        norm, allowance = message_norm(release), mechanism.norm_allowance(expected)
+        if norm > allowance:
+            return f"its norm {norm:.4g} exceeds what the mechanism allows ({allowance:.4g})"
+        return None
 
     # -- client side -----------------------------------------------------------------------------
     def load_global(self, model, state: GlobalState, base: dict[str, LoRAFactors]) -> None:
@@ -135,35 +172,39 @@ class Protocol:
         set_head(model, {n: t.to(device) for n, t in message.items() if side_of(n) is Side.DENSE})
 
     def local_round(self, model, base: dict[str, LoRAFactors], dataset, state: GlobalState, *, round_: int,
-                    partition_id: int, noise: torch.Generator | None) -> ClientRound:
-        """One client's round: load the global state, K local SGD steps, clip, privatize."""
+                    partition_id: int, noise: torch.Generator | None, release: int | None = None) -> ClientRound:
+        """One client's round: load the global state, K local SGD steps, clip, privatize. ``release`` (default:
+        the round) seeds the sketch and the batches."""
         started = time.perf_counter()
+        release = round_ if release is None else release
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
-        generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", round_, partition_id))
+        generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, partition_id))
         # the training transform's random flips draw from torch's global generator: seed it per client round,
         # or runs with the same seed differ with the worker that happened to run the client
-        torch.manual_seed(derive_seed(self.config.seed, "augment", round_, partition_id))
+        torch.manual_seed(derive_seed(self.config.seed, "augment", release, partition_id))
         loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
                          lr=self.config.lr, generator=generator)
         trained = time.perf_counter()
         message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
-        release = self.mechanism_for(round_).privatize(message, key=self.key(round_), noise=noise)
-        return ClientRound(release, loss, trained - started, time.perf_counter() - trained)
+        out = self.mechanism_for(round_).privatize(message, key=self.key(release), noise=noise)
+        return ClientRound(out, loss, trained - started, time.perf_counter() - trained)
 
-    def simulation_noise(self, round_: int, partition_id: int) -> torch.Generator:
+    def simulation_noise(self, release: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
-        return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", round_, partition_id))
+        return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", release, partition_id))
 
     # -- server side -----------------------------------------------------------------------------
-    def aggregate(self, releases: Sequence[Message], round_: int, previous: GlobalState) -> GlobalState:
+    def aggregate(self, releases: Sequence[Message], round_: int, previous: GlobalState,
+                  release: int | None = None) -> GlobalState:
         """FFA: the mean of the releases. Flex: the top-r SVD of the mean B A product, per layer, in the
         releases' space; dense entries (the head) are averaged. Entries no client sent (the adapters
-        during a linear probe, the frozen head after it) stay as they were."""
+        during a linear probe, the frozen head after it) stay as they were. ``release`` (default: the
+        round) names the sketches the releases were made with."""
         if self.phase(round_) == PROBE:
             return GlobalState({**previous.message, **mean_message(releases)}, previous.produced_by)
-        produced_by = DENSE if isinstance(self.mechanism.sketch, NoSketch) else round_
+        produced_by = DENSE if isinstance(self.mechanism.sketch, NoSketch) else (round_ if release is None else release)
         if self.mode is LoRAMode.FFA:
             return GlobalState({**previous.message, **mean_message(releases)}, produced_by)
         dense = mean_message([{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases])

@@ -6,6 +6,9 @@ per client, with TLS and SuperNode authentication when given credentials. Both s
 generated Flower app with ``flwr run --stream``, print one line per round from the run's metrics.jsonl
 as they arrive, and stop every process they started however the run ends. Neither installs anything at
 run time: the apps import fedlora from this environment.
+
+A simulation whose Ray worker died is restarted from its checkpoint: Flower 1.41's Ray backend keeps
+a dead actor in its pool, so every later message sent to it would fail too.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from pathlib import Path
 
 import psutil
 
-from fedlora.config import OUT_DIR_KEY, RunConfig
+from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
+from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
-from fedlora.experiment import GLOBAL_STATE_FILE, format_progress
+from fedlora.experiment import format_progress
 
 CONNECTION = "fedlora-local"
+ENGINE_RESTARTS = 3  # restarts of a simulation that lost a Ray worker, per launch
 
 
 class LaunchError(RuntimeError):
@@ -35,19 +40,22 @@ class LaunchError(RuntimeError):
 
 
 def _toml_value(value) -> str:
-    return json.dumps(value) if isinstance(value, str) else repr(value)
+    return json.dumps(value) if isinstance(value, (str, bool)) else repr(value)
 
 
-def write_app(config: RunConfig, out_dir: Path) -> Path:
-    """A minimal Flower app whose components are fedlora's and whose run config is ``config``."""
+def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: bool = False,
+              client_app: str = "clients.app:app") -> Path:
+    """A minimal Flower app whose components are fedlora's (or the given ClientApp, for fault injection) and
+    whose run config is ``config``; with ``resume`` the ServerApp continues from the run directory's checkpoint."""
     app_dir = out_dir / "flower-app"
     app_dir.mkdir(parents=True, exist_ok=True)
-    values = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir.resolve())}
+    values = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir.resolve()), RESUME_KEY: resume,
+              SIMULATION_KEY: simulation}
     (app_dir / "pyproject.toml").write_text("\n".join([
         "[build-system]", 'requires = ["setuptools>=69"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", 'name = "fedlora-run"', 'version = "0.1.0"', 'description = "A fedlora run"',
         'license = "Apache-2.0"', "", "[tool.flwr.app]", 'publisher = "fedlora"', "",
-        "[tool.flwr.app.components]", 'serverapp = "strategies.server_app:app"', 'clientapp = "clients.app:app"',
+        "[tool.flwr.app.components]", 'serverapp = "strategies.server_app:app"', f'clientapp = "{client_app}"',
         "", "[tool.flwr.app.config]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()], ""]))
     return app_dir
 
@@ -130,29 +138,44 @@ class Flower:
         for process in self.processes:
             process.wait()  # reaps our own children
 
-    def follow(self, app_dir: Path, config: RunConfig, echo, federation_config: str | None = None) -> list[dict]:
-        """Submits the app and prints each round's line as metrics.jsonl grows; returns the rows."""
+    def follow(self, app_dir: Path, config: RunConfig, echo, federation_config: str | None = None, *,
+               resume: bool = False) -> Checkpoint | None:
+        """Submits the app and prints each new round's line as metrics.jsonl grows; returns the checkpoint the
+        run left (None if it left none)."""
         metrics_path = self.out_dir / "metrics.jsonl"
-        metrics_path.unlink(missing_ok=True)
+        state_path = self.out_dir / STATE_FILE
+        rows = Checkpoint.load(self.out_dir).rows if resume and state_path.is_file() else []
+        if not resume:
+            state_path.unlink(missing_ok=True)
+        # a resumed run starts from its checkpoint's rows: a row written after the checkpoint is not a round done
+        metrics_path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        done = len(rows)
         args = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
         if federation_config:
             args += ["--federation-config", federation_config]
         runner = self.start("flower", args)
-        rows: list[dict] = []
         while True:
             finished = runner.poll() is not None
-            if metrics_path.exists():
-                for line in metrics_path.read_text().splitlines()[len(rows):]:
-                    if line.strip():
-                        rows.append(json.loads(line))
-                        echo(format_progress(rows[-1], config))
+            lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+            for line in lines[done:]:
+                if line.strip():
+                    echo(format_progress(json.loads(line), config))
+                    done += 1
             if finished:
                 break
             time.sleep(0.5)
-        if len(rows) < config.num_rounds or not (self.out_dir / GLOBAL_STATE_FILE).exists():
-            raise LaunchError(f"The federation stopped after {len(rows)} of {config.num_rounds} rounds; see "
-                              f"{self.out_dir / 'flower.log'}.")
-        return rows
+        return Checkpoint.load(self.out_dir) if state_path.is_file() else None
+
+
+def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list[dict]:
+    """The rows of a run that ended (finished, or stopped by its budget); else a LaunchError saying why."""
+    if saved is not None and saved.status in ENDED:
+        return saved.rows
+    done = saved.rounds_done if saved else 0
+    why = f" ({saved.reason})" if saved and saved.reason else ""
+    hint = f"; resume it with `fedlora run --resume {out_dir}`" if saved and saved.simulated else ""
+    raise LaunchError(f"The federation stopped after {done} of {config.num_rounds} rounds{why}; see "
+                      f"{out_dir / 'flower.log'}{hint}.")
 
 
 @contextmanager
@@ -164,21 +187,29 @@ def _flower(out_dir: Path):
         flower.stop_all()
 
 
-def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0) -> list[dict]:
-    """Runs the federation on Ray; returns the per-round metrics. Raises LaunchError if it does not finish."""
+def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0, resume: bool = False,
+                   client_app: str = "clients.app:app") -> list[dict]:
+    """Runs (or, with ``resume``, continues) the federation on Ray; returns the per-round metrics. A run that
+    lost a Ray worker is restarted from its checkpoint. Raises LaunchError if it does not end."""
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
     out_dir.mkdir(parents=True, exist_ok=True)
-    app_dir = write_app(config, out_dir)
-    with _flower(out_dir) as flower:
-        port = free_port()
-        flower.connect(port, None)
-        superlink = flower.start("superlink", [
-            "flower-superlink", "--simulation", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-            "--disable-runtime-dependency-installation"])
-        flower.wait_for_port(port, superlink, "superlink", start_timeout)
-        return flower.follow(app_dir, config, echo, federation_config=(
-            f"num-supernodes={config.num_clients} client-resources-num-cpus={config.client_cpus} "
-            f"client-resources-num-gpus={config.client_gpus}"))
+    for restart in range(ENGINE_RESTARTS + 1):
+        app_dir = write_app(config, out_dir, simulation=True, resume=resume, client_app=client_app)
+        with _flower(out_dir) as flower:
+            port = free_port()
+            flower.connect(port, None)
+            superlink = flower.start("superlink", [
+                "flower-superlink", "--simulation", "--insecure", "--host", "127.0.0.1", "--port", str(port),
+                "--disable-runtime-dependency-installation"])
+            flower.wait_for_port(port, superlink, "superlink", start_timeout)
+            saved = flower.follow(app_dir, config, echo, federation_config=(
+                f"num-supernodes={config.num_clients} client-resources-num-cpus={config.client_cpus} "
+                f"client-resources-num-gpus={config.client_gpus}"), resume=resume)
+        if saved is None or saved.status != RESTART or restart == ENGINE_RESTARTS:
+            break
+        echo(f"A simulation worker died: restarting the simulation engine, resuming after round {saved.rounds_done}.")
+        resume = True
+    return _outcome(saved, config, out_dir)
 
 
 def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, credentials: Credentials | None,
@@ -204,7 +235,7 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
     """
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    app_dir = write_app(config, out_dir)
+    app_dir = write_app(config, out_dir, simulation=False)
     with _flower(out_dir) as flower:
         port = free_port()
         flower.connect(port, credentials.ca_cert if credentials else None)
@@ -226,4 +257,5 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
                 i, superlink=f"127.0.0.1:{port}", port=node_port, num_nodes=config.num_clients,
                 credentials=credentials, secret=secret), env=threads)
             flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
-        return flower.follow(app_dir, config, echo)
+        saved = flower.follow(app_dir, config, echo)
+    return _outcome(saved, config, out_dir)

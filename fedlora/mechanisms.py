@@ -129,6 +129,21 @@ class Mechanism:
             out = {name: t + gaussian_noise_like(t, self.noise_std, noise) for name, t in out.items()}
         return out
 
+    def released_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The shape of every entry of the release of a message with these entry shapes."""
+        return {name: self.sketch.released_shape(name, shape) for name, shape in shapes.items()}
+
+    def norm_allowance(self, shapes: Mapping[str, tuple[int, ...]], *, failure_probability: float = 1e-9) -> float:
+        """The largest norm an honest client's release of a message with these entry shapes has, except with
+        probability ``failure_probability``: the clip norm times how much the sketch can grow it, plus a
+        chi-square tail bound on the noise (Laurent and Massart 2000). Infinite without clipping."""
+        if self.clip_norm is None:
+            return math.inf
+        x = math.log(4 / failure_probability)  # the sketch may fail with p / 2, the noise with p / 4
+        gain = 1.0 if self.clips_after_sketch else self.sketch.gain_bound(shapes, x)
+        d = sum(math.prod(shape) for shape in self.released_shapes(shapes).values())
+        return self.clip_norm * gain + self.noise_std * math.sqrt(d + 2 * math.sqrt(d * x) + 2 * x)
+
     def desketch(self, message: Mapping[str, Tensor], *, key: SketchKey,
                  shapes: Mapping[str, torch.Size | tuple[int, ...]]) -> Message:
         """Maps an (aggregated) release back to full space: R^T S for B, S R_A^T for A."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -129,6 +130,7 @@ def logits(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
+@lru_cache(maxsize=8)
 def adapted_layer_shapes(model: str, *, targets: str = "qv") -> OrderedDict[str, tuple[int, int]]:
     """(out_features m, in_features k) of every linear the targets adapt, without weights or the hub."""
     spec = model_spec(model)

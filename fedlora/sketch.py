@@ -20,6 +20,8 @@ Conventions (../shared/design/PRIVACY.md, section 1):
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -83,6 +85,18 @@ def gaussian_matrix(
                          device=device, dtype=dtype)
 
 
+def gaussian_gain_bound(dim: int, n: int, x: float) -> float:
+    """An upper bound on the operator norm of a (dim x n) matrix with N(0, 1/dim) entries that holds except with
+    probability 2 exp(-x): (sqrt(n) + sqrt(dim) + sqrt(2 x)) / sqrt(dim) (Vershynin 2012, Cor. 5.35)."""
+    return (math.sqrt(n) + math.sqrt(dim) + math.sqrt(2 * x)) / math.sqrt(dim)
+
+
+def _largest_gain(dim: int, sides: list[int], x: float) -> float:
+    """The gain bound over several sketch matrices (a union bound), at least 1 for the dense entries."""
+    x += math.log(max(1, len(sides)))
+    return max([1.0, *(gaussian_gain_bound(dim, n, x) for n in sides)])
+
+
 def _check_matrix(x: Tensor, name: str) -> None:
     if x.dim() != 2:
         raise ValueError(f"Message entry '{name}' must be a matrix, got shape {tuple(x.shape)}.")
@@ -101,6 +115,13 @@ class NoSketch:
 
     def desketch(self, s: Tensor, *, key: SketchKey, name: str, shape: torch.Size | tuple[int, ...]) -> Tensor:
         return s
+
+    def released_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def gain_bound(self, shapes: Mapping[str, tuple[int, ...]], x: float) -> float:
+        """How much sketching can grow a message's norm: not at all."""
+        return 1.0
 
     def __repr__(self) -> str:
         return "NoSketch()"
@@ -142,6 +163,17 @@ class MatrixSketch:
         if tuple(s.shape) != expected:
             raise ValueError(f"Sketched '{name}' must have shape {expected}, got {tuple(s.shape)}.")
         return s @ self._matrix(shape[1], key=key, name=name, side=side, like=s)
+
+    def released_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of entry ``name`` (of ``shape``) once sketched: (b x r) for B, (r x b) for A."""
+        side = side_of(name)
+        return tuple(shape) if side is Side.DENSE else (self.dim, shape[1]) if side is Side.LEFT else (shape[0], self.dim)
+
+    def gain_bound(self, shapes: Mapping[str, tuple[int, ...]], x: float) -> float:
+        """||sketch(X)|| <= gain ||X|| for a message of these entry shapes, except with probability 2 exp(-x)."""
+        sides = [shape[0] if side_of(name) is Side.LEFT else shape[1]
+                 for name, shape in shapes.items() if side_of(name) is not Side.DENSE]
+        return _largest_gain(self.dim, sides, x)
 
     def __post_init__(self) -> None:
         if self.dim < 1:
@@ -201,6 +233,14 @@ class VectorSketch:
         for rows, block in self._blocks(m * r, key=key, name=name, like=s):
             vec += block.T @ s[rows]
         return vec.reshape(r, m).T  # devec: every m coordinates form a column
+
+    def released_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape) if self._side(name) is Side.DENSE else (self.dim,)
+
+    def gain_bound(self, shapes: Mapping[str, tuple[int, ...]], x: float) -> float:
+        """||sketch(X)|| <= gain ||X|| for a message of these entry shapes, except with probability 2 exp(-x)."""
+        sides = [shape[0] * shape[1] for name, shape in shapes.items() if self._side(name) is not Side.DENSE]
+        return _largest_gain(self.dim, sides, x)
 
 
 Sketch = NoSketch | MatrixSketch | VectorSketch

@@ -1,20 +1,23 @@
 """One Flower strategy (Message API) for all seven algorithms: the protocol in ``fedlora.federation``
-decides FFA vs Flex aggregation and the mechanism; this class samples, talks to the grid and accounts.
+decides FFA vs Flex aggregation and the mechanism; this class samples, talks to the grid, checks the
+replies, retries short rounds, accounts, and stops before the privacy budget would break.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
 
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
-from flwr.serverapp.strategy import Strategy
+from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
+from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED, Checkpoint
 from fedlora.federation import GlobalState, Protocol, derive_seed, num_bytes
 from fedlora.privacy import PrivacyLedger, SamplingScheme
 
@@ -23,37 +26,132 @@ def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({name: t.detach().cpu().contiguous() for name, t in message.items()})
 
 
-def from_arrays(record: ArrayRecord) -> dict[str, torch.Tensor]:
-    return dict(record.to_torch_state_dict())
-
-
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
 
 
 class FedLoRAStrategy(Strategy):
-    """Samples N of C clients (or Poisson), sends them the global adapters, aggregates their releases.
+    """Samples N of C clients (or Poisson), sends them the global adapters, aggregates their valid releases.
 
-    Every round in which clients are sampled is recorded in the privacy ledger, whether or not their
-    replies arrive: a sampled client counts as a release.
+    Every release (a round's sampling of clients, retries included) is recorded in the privacy ledger
+    before the messages leave, whether or not replies arrive: a sampled client counts as a release.
+    ``save`` is called whenever the progress changes, so that a checkpoint can be written.
     """
 
     def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
-                 sampling: SamplingScheme, releases: dict):
+                 sampling: SamplingScheme, releases: dict, *, save: Callable[[], None] = lambda: None,
+                 simulated: bool = False):
         self.protocol = protocol
+        self.config = protocol.config
         self.state = state
+        self.template = state.message  # the dense initial state: names, full-rank shapes and dtypes
         self.ledger = ledger
         self.sampling = sampling
-        self.releases = releases  # phase -> what one round releases, for the ledger
+        self.phase_releases = releases  # phase -> what one release of that phase is, for the ledger
+        self.save = save
+        self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
         self.nodes: dict[int, int] | None = None  # partition id -> node id, learned once
         self.secret_fingerprint: int | None = None  # of the nodes' shared sketch secret (sketch-secret = node-file)
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
+        # progress (what a checkpoint holds)
+        self.rounds_done = 0
+        self.releases = 0
+        self.in_flight = False
+        self.replay = False  # resumed with seeded noise: the interrupted release is sent again, bit for bit
+        self.status, self.reason = RUNNING, ""
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        return Checkpoint(self.state, self.rounds_done, self.releases, self.in_flight,
+                          self.ledger.to_dict() if self.ledger is not None else None,
+                          status=self.status, reason=self.reason, simulated=self.simulated,
+                          secret_fingerprint=self.secret_fingerprint)
+
+    def restore(self, saved: Checkpoint) -> None:
+        """Continues from ``saved``.
+
+        A release cut short is replayed under seeded noise: the noise is a function of the run seed, which
+        the server knows, so seeded runs simulate the mechanism rather than protect anyone, and the replay
+        simulates the same release as the uninterrupted run. With OS noise (real protection) the release
+        cannot be replayed, so it stays counted and the round gets a new one.
+        """
+        if self.ledger is not None and saved.ledger is None:
+            raise RuntimeError("The checkpoint holds no privacy ledger for this private run: it cannot be resumed.")
+        self.state, self.rounds_done, self.releases = saved.state, saved.rounds_done, saved.releases
+        self.ledger = PrivacyLedger.from_dict(saved.ledger) if saved.ledger is not None else None
+        self.secret_fingerprint = saved.secret_fingerprint
+        self.replay = saved.in_flight and self.config.noise_source == "seeded"
+        self.in_flight = saved.in_flight and not self.replay
+        if saved.in_flight and not self.replay:
+            log(WARNING, "Release %s was cut short and its OS noise cannot be replayed: it stays counted.",
+                saved.releases)
 
     def summary(self) -> None:
-        c = self.protocol.config
+        c = self.config
         log(INFO, "\t├── %s: %s", c.strategy, self.protocol.mechanism.describe())
-        log(INFO, "\t└── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
+        log(INFO, "\t├── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
             self.sampling.q)
+        log(INFO, "\t└── a round needs %s valid replies, else it is retried (at most %s times)",
+            c.required_replies(), c.round_retries)
 
+    # -- the loop --------------------------------------------------------------------------------
+    def start(self, grid: Grid, initial_arrays: ArrayRecord, num_rounds: int = 3, timeout: float = 3600,
+              train_config: ConfigRecord | None = None, evaluate_config: ConfigRecord | None = None,
+              evaluate_fn: Callable[[int, ArrayRecord], MetricRecord | None] | None = None) -> Result:
+        """Flower's round loop, from the first round not done yet, with retries, the budget stop and the
+        run's status (Flower's own loop always starts at round 1 and knows neither)."""
+        log(INFO, "Starting %s strategy:", self.__class__.__name__)
+        self.summary()
+        result = Result(arrays=initial_arrays)
+        if self.rounds_done:
+            log(INFO, "Resuming after round %s (%s releases so far)", self.rounds_done, self.releases)
+        for server_round in range(self.rounds_done + 1, num_rounds + 1):
+            log(INFO, "")
+            log(INFO, "[ROUND %s/%s]", server_round, num_rounds)
+            arrays = self._round(grid, server_round, timeout, train_config or ConfigRecord())
+            if arrays is None:
+                break
+            result.arrays = arrays
+            self.rounds_done = server_round
+            self.save()  # the round is done: evaluating it must not be able to lose it
+            if evaluate_fn:  # records the round's metrics and saves the checkpoint with them
+                metrics = evaluate_fn(server_round, arrays)
+                if metrics is not None:
+                    result.evaluate_metrics_serverapp[server_round] = metrics
+            if self.status == RESTART:
+                break
+        if self.status == RUNNING:
+            self.status = FINISHED  # saved by the ServerApp once the adapter is written
+        log(INFO, "Strategy stopped: %s%s", self.status, f" ({self.reason})" if self.reason else "")
+        return result
+
+    def _round(self, grid: Grid, server_round: int, timeout: float, config: ConfigRecord) -> ArrayRecord | None:
+        """One round, retried with a new release while fewer valid replies than required arrive; None if the
+        run must stop instead (budget, no progress, or a lost simulation worker)."""
+        for attempt in range(self.config.round_retries + 1):
+            if self.ledger is not None and not self.replay and self.ledger.would_exceed_budget(*self._release(server_round)):
+                after = self.ledger.report_after(*self._release(server_round)).epsilon
+                self._stop(BUDGET_SPENT, f"round {server_round} would bring epsilon to {after:.3f} "
+                                         f"({self.ledger.threat_model}), past the budget {self.ledger.target_epsilon:g}")
+                return None
+            messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
+            arrays, _ = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
+            if arrays is not None:
+                return arrays
+            if self.status == RESTART:
+                return None
+            info = self.rounds[server_round]
+            log(WARNING, "Round %s: %s valid replies of %s sampled, %s needed%s", server_round, info["replies"],
+                info["sampled"], info["needed"], "; retrying with new clients" if attempt < self.config.round_retries
+                else "")
+        self._stop(STALLED, f"round {server_round} got too few valid replies in {self.config.round_retries + 1} "
+                            "tries")
+        return None
+
+    def _stop(self, status: str, reason: str) -> None:
+        self.status, self.reason = status, reason
+        log(WARNING, "Stopping: %s.", reason)
+
+    # -- nodes and sampling ----------------------------------------------------------------------
     def _partition_nodes(self, grid: Grid, node_ids: list[int]) -> dict[int, int]:
         """Asks every node once which partition it holds. Node ids are random per run; sampling partitions
         (not node positions) makes a seed fix the run, in simulation and across restarts."""
@@ -64,8 +162,11 @@ class FedLoRAStrategy(Strategy):
             if sorted(self.nodes) != list(range(self.sampling.num_clients)):
                 raise RuntimeError(f"Clients must hold partitions 0..{self.sampling.num_clients - 1} once each; "
                                    f"they reported {sorted(self.nodes)[:10]}...")
-            if self.protocol.config.sketch_secret == "node-file":
-                self.secret_fingerprint = self._shared_fingerprint(replies)
+            if self.config.sketch_secret == "node-file":
+                fingerprint = self._shared_fingerprint(replies)
+                if self.secret_fingerprint is not None and fingerprint != self.secret_fingerprint:
+                    raise RuntimeError("The SuperNodes hold another sketch secret than the run they resume.")
+                self.secret_fingerprint = fingerprint
         return self.nodes
 
     @staticmethod
@@ -96,66 +197,110 @@ class FedLoRAStrategy(Strategy):
                 told = len(node_ids)
             time.sleep(1.0)
 
-    def _sample(self, server_round: int, nodes: dict[int, int]) -> list[int]:
-        """Node ids of the round's clients: a seeded draw of partitions."""
-        rng = np.random.default_rng(derive_seed(self.protocol.config.seed, "sampling", server_round))
+    def _sample(self, release: int) -> list[int]:
+        """The partitions of a release: a seeded draw, independent of which nodes happen to be online (the
+        accountant assumes exactly this sampling; a sampled node that is gone is a lost reply)."""
+        rng = np.random.default_rng(derive_seed(self.config.seed, "sampling", release))
         c = self.sampling.num_clients
         if self.sampling.kind.value == "fixed":
-            chosen = sorted(rng.choice(c, self.sampling.clients_per_round, replace=False).tolist())
-        else:
-            chosen = [p for p, u in enumerate(rng.random(c)) if u < self.sampling.rate]
-        return [nodes[p] for p in chosen]
+            return sorted(rng.choice(c, self.sampling.clients_per_round, replace=False).tolist())
+        return [p for p, u in enumerate(rng.random(c)) if u < self.sampling.rate]
 
+    # -- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
-        node_ids = self._wait_for_nodes(grid)
-        if len(node_ids) != self.sampling.num_clients:  # the accountant's C must be the federation's
-            raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
-                               f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
-                               f"\"num-supernodes={self.sampling.num_clients}\").")
-        sampled = self._sample(server_round, self._partition_nodes(grid, node_ids))
-        phase = self.protocol.phase(server_round)
-        if self.ledger is not None:
-            if not self.ledger.phases or self.ledger.phases[-1].name != phase:
-                self.ledger.begin_phase(phase, self.releases[phase], self.sampling)
-            self.ledger.record_round()
+        """Samples the round's clients, records the release in the ledger and checkpoints it, then returns
+        the messages (the global adapters and the round's public parameters)."""
+        if self.nodes is None:
+            node_ids = self._wait_for_nodes(grid)
+            if len(node_ids) != self.sampling.num_clients:  # the accountant's C must be the federation's
+                raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
+                                   f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
+                                   f"\"num-supernodes={self.sampling.num_clients}\").")
+            self._partition_nodes(grid, node_ids)
+        if not self.replay:
+            self.releases += 1
+            if self.ledger is not None:
+                self.ledger.record(*self._release(server_round))
+        self.replay, self.in_flight = False, True
+        self.save()  # before anything leaves: a crash from here on must not forget this release
+        release = self.releases
+        partitions = self._sample(release)
         c = self.protocol
         round_config = ConfigRecord({
-            **dict(config), "server-round": server_round, "produced-by": self.state.produced_by,
+            **dict(config), "server-round": server_round, "release": release, "produced-by": self.state.produced_by,
             "noise-multiplier": float(c.noise_multiplier),
             "probe-noise-multiplier": float(c.probe_noise_multiplier),
-            # known-sketch: the round's sketch seed is public; secret-sketch: clients derive it themselves
-            "sketch-seed": int(c.sketch_seed) if c.config.threat_model == "known-sketch" else -1,
+            # known-sketch: the release's sketch seed is public; secret-sketch: clients derive it themselves
+            "sketch-seed": int(c.sketch_seed) if self.config.threat_model == "known-sketch" else -1,
         })
-        self.rounds[server_round] = {"started": time.time(), "sampled": len(sampled),
+        self.rounds[server_round] = {"started": self.rounds.get(server_round, {}).get("started", time.time()),
+                                     "release": release, "partitions": partitions, "sampled": len(partitions),
+                                     "needed": min(self.config.required_replies(), len(partitions)),
                                      "bytes_down": num_bytes(self.state.message)}
-        log(INFO, "configure_train: sampled %s of %s clients", len(sampled), len(node_ids))
+        log(INFO, "configure_train: release %s, sampled %s of %s clients", release, len(partitions),
+            self.sampling.num_clients)
         content = RecordDict({"arrays": to_arrays(self.state.message), "config": round_config})
-        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=n) for n in sampled]
+        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p])
+                for p in partitions]
+
+    def _release(self, server_round: int) -> tuple:
+        """(phase, release, sampling) of one release in ``server_round``, as the ledger takes them."""
+        phase = self.protocol.phase(server_round)
+        return phase, self.phase_releases[phase], self.sampling
+
+    def _valid(self, reply: Message, server_round: int, partitions: set[int]) -> tuple[int, dict] | None:
+        """(partition, release) of a reply that may be aggregated; None (and a warning) for a failed or
+        invalid one, which is never aggregated."""
+        partition = {n: p for p, n in self.nodes.items()}.get(reply.metadata.src_node_id)
+        if reply.has_error():
+            if self.simulated and reply.error.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
+                self.status, self.reason = RESTART, "a simulation worker died"
+            who = f"the client of partition {partition}" if partition is not None else "a sampled client"
+            log(WARNING, "Round %s: %s failed: %s", server_round, who,
+                reply.error.reason.splitlines()[0][:300] if reply.error.reason else reply.error.code)
+            return None
+        problem = None
+        if partition not in partitions:
+            problem = "its node was not sampled, or replied already"
+        elif "arrays" not in reply.content.array_records:
+            problem = "it carries no arrays"
+        else:
+            release = dict(reply.content["arrays"].to_torch_state_dict())
+            problem = self.protocol.release_problem(release, self.template, round_=server_round,
+                                                    rank=self.protocol.client_rank(partition))
+        if problem:
+            log(WARNING, "Round %s: rejected the reply of partition %s: %s.", server_round, partition, problem)
+            return None
+        partitions.discard(partition)  # one reply per sampled client
+        return partition, release
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """The new global adapters from the valid replies, if at least the required number arrived."""
+        info = self.rounds[server_round]
         replies = list(replies)
-        good = [r for r in replies if r.has_content()]
-        for r in replies:
-            if r.has_error():
-                log(WARNING, "A client failed in round %s: %s", server_round, r.error.reason)
-        # a fixed order (by partition) makes runs reproducible bit for bit
-        good.sort(key=lambda r: int(r.content["metrics"]["partition-id"]))
-        info = self.rounds.setdefault(server_round, {"started": time.time(), "sampled": len(replies), "bytes_down": 0})
-        info.update(replies=len(good), bytes_up=0, train_loss=float("nan"))
-        if not good:
-            log(WARNING, "Round %s: no client replied; the global adapters stay as they were.", server_round)
+        pending = set(info["partitions"])
+        valid = sorted(v for r in replies if (v := self._valid(r, server_round, pending)) is not None)  # by partition
+        failed = sum(r.has_error() for r in replies)
+        info.update(replies=len(valid), failed=failed, rejected=len(replies) - failed - len(valid), bytes_up=0,
+                    train_loss=float("nan"))
+        if len(valid) < info["needed"]:
+            self.save()  # the failed release stays counted
             return None, None
-        releases = [from_arrays(r.content["arrays"]) for r in good]
+        self.in_flight = False
+        if not valid:  # Poisson sampled nobody: nothing changes
+            return to_arrays(self.state.message), MetricRecord({"replies": 0})
+        releases = [release for _, release in valid]
+        by_partition = {r.metadata.src_node_id: r for r in replies if r.has_content()}
+        metrics = [by_partition[self.nodes[p]].content["metrics"] for p, _ in valid]
         started = time.time()
-        self.state = self.protocol.aggregate(releases, server_round, self.state)
+        self.state = self.protocol.aggregate(releases, server_round, self.state, release=info["release"])
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
-                    **{key.replace("-", "_"): float(np.mean([float(r.content["metrics"][key]) for r in good]))
+                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]))
                        for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
-        metrics = MetricRecord({"train-loss": info["train_loss"], "replies": len(good)})
-        return to_arrays(self.state.message), metrics
+        return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": len(valid)})
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

@@ -8,7 +8,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable
 
-from flwr.app import Context, Message, RecordDict
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -23,6 +24,7 @@ class InProcessGrid(Grid):
                                     state=RecordDict(), run_config=run_config)
                          for i, n in enumerate(self.node_ids)}
         self.fail = set(fail)  # node ids whose client dies while training (no reply arrives)
+        # client_app may be any (message, context) -> Message callable: tests wrap the ClientApp to inject faults
         self._ids = itertools.count(1)
         self._run = None
         self.calls: list[int] = []  # node ids sent a training message, in order
@@ -61,6 +63,10 @@ class InProcessGrid(Grid):
                 self.calls.append(node)
                 if node in self.fail:
                     continue
-            replies.append(self.client_app(message, self.contexts[node]))
+            try:
+                replies.append(self.client_app(message, self.contexts[node]))
+            except Exception as error:  # as Flower does: the client's exception becomes an error reply
+                replies.append(Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, f"{type(error).__name__}: {error}"),
+                                       reply_to=message))
             self._as_server()
         return replies

@@ -1,4 +1,5 @@
-"""The fedlora ServerApp: calibrate the noise, run the strategy, evaluate, account, write the run directory."""
+"""The fedlora ServerApp: calibrate the noise, run the strategy, evaluate, account, checkpoint, write the run
+directory. With ``resume`` in the run config it continues from the run directory's checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fedlora.config import OUT_DIR_KEY, run_config_of
-from fedlora.experiment import RunRecorder, noise_for, sampling_of
+from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
+from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, run_config_of
+from fedlora.experiment import RunRecorder, load_run_config, noise_for, sampling_of
 from fedlora.federation import Protocol
 from strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
 
@@ -19,25 +21,40 @@ app = ServerApp()
 
 
 def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrategy:
-    """Runs the configured federation on ``grid``; returns the strategy (its state, ledger and rounds)."""
+    """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds)."""
     config = run_config_of(dict(context.run_config))
     out_dir = Path(str(context.run_config.get(OUT_DIR_KEY, "runs/latest")))
+    saved = None
+    if context.run_config.get(RESUME_KEY, False) and (out_dir / STATE_FILE).is_file():
+        saved = Checkpoint.load(out_dir)
+        if saved.status in ENDED:
+            raise RuntimeError(f"The run in {out_dir} has ended ({saved.status}): there is nothing to resume.")
     plan = noise_for(config)
-    ledger = plan.new_ledger(config)
+    if saved and load_run_config(out_dir)[1:] != (plan.noise_multiplier, plan.probe_noise_multiplier):
+        raise RuntimeError(f"The noise calibrated now differs from the one the run in {out_dir} used: it cannot be "
+                           "resumed with this version.")
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
-    recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)))
-    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), ledger, sampling_of(config),
-                               plan.releases)
+    recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)),
+                           rows=saved.rows if saved else None)
+    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
+                               sampling_of(config), plan.releases, save=lambda: recorder.save(strategy.checkpoint()),
+                               simulated=bool(context.run_config.get(SIMULATION_KEY, False)))
+    if saved:
+        strategy.restore(saved)
+        if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics
+            recorder.record(strategy.rounds_done, strategy.state, {}, strategy.ledger)
+            strategy.save()
 
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:
-        if server_round == 0:
-            return None
-        row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), ledger)
+        row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), strategy.ledger)
+        strategy.save()
         values = {"accuracy": row["accuracy"], "loss": row["loss"], f"epsilon ({row['threat_model']})": row["epsilon"]}
-        return MetricRecord({k: float(v) for k, v in values.items() if math.isfinite(v)})
+        return MetricRecord({k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)})
 
-    strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds, evaluate_fn=evaluate_fn)
-    recorder.finish(strategy.state, secret_fingerprint=strategy.secret_fingerprint)
+    strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds,
+                   timeout=config.reply_timeout, evaluate_fn=evaluate_fn)
+    recorder.finish(strategy.state, status=strategy.status, reason=strategy.reason)
+    strategy.save()  # the final status last: an ended run has its adapter
     return strategy
 
 

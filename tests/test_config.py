@@ -1,6 +1,6 @@
 import pytest
 
-from fedlora.config import RunConfig, load_config, parse_assignment
+from fedlora.config import ConfigError, RunConfig, load_config, parse_assignment
 
 
 def test_defaults_are_valid_and_keys_use_the_vocabulary():
@@ -29,29 +29,61 @@ def test_toml_files_and_flower_tables(tmp_path):
     assert load_config(flower).strategy == "flexlora"
 
 
-@pytest.mark.parametrize("values, message", [
+BAD_CONFIGS = [
     ({"num-client": 5}, "Unknown key 'num-client'; did you mean 'num-clients'?"),
     ({"frobnicate": 1}, "Unknown key 'frobnicate'."),
     ({"strategy": "fedavg"}, "strategy must be one of"),
+    ({"strategy": "sgmm-flexlroa"}, "did you mean 'sgmm-flexlora'?"),
+    ({"strategy": "sgmv-flexlora"}, "SGMV cannot be used with FlexLoRA"),
     ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
+    ({"min-replies": 5}, "min-replies (5) cannot exceed clients-per-round (4)"),
     ({"rank": 0}, "rank must be >= 1"),
+    ({"rank": 500}, "Rank 500 exceeds the smallest side (192)"),
+    ({"sketch-dim": 500}, "Sketch dimension 500 must lie in [1, 192] for sgmm-ffa-lora"),
+    ({"strategy": "sgmv-ffa-lora", "sketch-dim": 800}, "Sketch dimension 800 must lie in [1, 768]"),  # h <= m r
     ({"lr": 0}, "lr must be > 0"),
+    ({"lr": "fast"}, "lr must be a number"),
+    ({"lr": True}, "lr must be a number"),
     ({"delta": 1.5}, "delta must be <= 1"),
     ({"delta": 1.0}, "delta must lie in (0, 1)"),
     ({"num-rounds": 2.5}, "num-rounds must be a whole number"),
     ({"num-rounds": "many"}, "num-rounds must be a whole number"),
+    ({"reply-timeout": 0}, "reply-timeout must be > 0"),
+    ({"round-retries": -1}, "round-retries must be >= 0"),
     ({"target-epsilon": 0, "noise-multiplier": 0}, "is private: set target-epsilon"),
+    ({"target-epsilon": -1}, "target-epsilon must be >= 0"),
     ({"strategy": "sgmm-ffa-lora", "client-ranks": "4,2"}, "needs a FlexLoRA strategy"),
     ({"strategy": "flexlora", "client-ranks": "8"}, "must lie in [1, rank = 4]"),
     ({"strategy": "flexlora", "client-ranks": "a,b"}, "comma-separated whole numbers"),
     ({"threat-model": "secret-sketch", "sampling": "poisson"}, "fixed-size sampling only"),
+    ({"sketch-secret": "node-file"}, "is for sketched strategies under threat-model"),
+    ({"head": "probe", "num-rounds": 1}, "The linear-probe phase needs 1 to 0 rounds"),
     ({"dataset": "cifar100"}, "CIFAR-100 has 100 classes"),
     ({"model": "vit-huge"}, "model must be one of"),
-])
+]
+
+
+@pytest.mark.parametrize("values, message", BAD_CONFIGS)
 def test_bad_configs_fail_with_one_sentence(values, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(ConfigError) as error:
         RunConfig.from_mapping(values)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_every_problem_is_named_at_once():
+    with pytest.raises(ConfigError) as error:
+        RunConfig.from_mapping({"num-client": 5, "lr": "fast", "rank": 0})
+    assert len(error.value.problems) == 3 and str(error.value).count("\n") == 2
+    with pytest.raises(ConfigError) as error:
+        RunConfig.from_mapping({"num-clients": 3, "clients-per-round": 4, "delta": 1.0, "rank": 500})
+    assert len(error.value.problems) == 3
+
+
+def test_noise_multiplier_with_a_target_is_a_budget():
+    config = RunConfig.from_mapping({"noise-multiplier": 1.0, "target-epsilon": 5.0})
+    assert config.budget() == 5.0 and config.required_replies() == 2
+    assert RunConfig.from_mapping({"noise-multiplier": 1.0, "target-epsilon": 0}).budget() is None
+    assert RunConfig.from_mapping({"clients-per-round": 5, "min-replies": 1}).required_replies() == 1
 
 
 def test_bad_files_and_assignments(tmp_path):

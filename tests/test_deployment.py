@@ -1,12 +1,14 @@
-"""Real deployments on 127.0.0.1: a SuperLink and two SuperNodes as processes, two rounds, then nothing left."""
+"""Real deployments on 127.0.0.1: a SuperLink and SuperNodes as processes, a few rounds, then nothing left."""
 
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from fedlora.cli import main
@@ -20,12 +22,33 @@ ROOT = Path(__file__).resolve().parents[1]
 FAST = {**DEPLOY_PRESET, "local-steps": 2, "train-examples": 120, "test-examples": 60}
 
 
-def test_an_insecure_deployment_runs_two_rounds_and_cleans_up(tmp_path):
-    config = RunConfig.from_mapping(FAST)
+def _kill_supernode_after_round_one(out_dir: Path, partition: int, num_nodes: int) -> threading.Thread:
+    """Kills the SuperNode of ``partition`` (and its ClientApp processes) once round 1's metrics are written."""
+    def kill():
+        metrics = out_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            time.sleep(0.2)
+        for process in psutil.process_iter(["cmdline"]):
+            line = " ".join(process.info["cmdline"] or [])
+            if "flower-supernode" in line and f"partition-id={partition} num-partitions={num_nodes}" in line:
+                for member in [*process.children(recursive=True), process]:
+                    member.kill()
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_up(tmp_path):
+    config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 3,
+                                     "min-replies": 2, "reply-timeout": 45})
     lines = []
+    killer = _kill_supernode_after_round_one(tmp_path, partition=2, num_nodes=3)
     rows = deploy_locally(config, tmp_path, credentials=None, echo=lines.append)
-    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
-    assert all(r["replies"] == 2 and r["accuracy"] is not None for r in rows)
+    killer.join(timeout=1)
+    assert [r["round"] for r in rows] == [1, 2, 3] and len(lines) == 3
+    assert [r["replies"] for r in rows] == [3, 2, 2] and "(2 of 3 replies)" in lines[1]
+    assert all(r["accuracy"] is not None for r in rows)
+    assert rows[-1]["releases"] == 3  # the lost node's replies never arrived, but its sampling counts
     assert rows[-1]["threat_model"] == "known-sketch" and rows[-1]["epsilon"] <= config.target_epsilon
     assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
     assert (tmp_path / "adapter" / "adapter_config.json").exists()

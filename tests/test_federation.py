@@ -55,6 +55,7 @@ def test_every_strategy_round_trips(tmp_path, strategy_name):
                 "bytes_down", "seconds"):
         assert key in rows[-1]
     assert rows[-1]["bytes_up"] > 0 and rows[-1]["bytes_down"] > 0
+    assert all(r["replies"] == 3 and r["rejected"] == 0 for r in rows)  # honest replies pass the server's checks
     assert (tmp_path / "accuracy.png").stat().st_size > 0
     loaded = PeftModel.from_pretrained(build_backbone("vit-tiny", num_classes=10), str(tmp_path / "adapter"))
     assert loaded is not None
@@ -79,14 +80,6 @@ def test_secret_sketch_run_accounts_the_joint_release(tmp_path):
     parts = strategy.ledger.phases[0].release
     assert parts[0].clients_per_round == 3 and parts[0].sketch_dim == 16
     assert len(parts) == 2  # the dense head is composed as a Gaussian release
-
-
-def test_a_dead_client_does_not_stop_the_round_but_still_counts(tmp_path):
-    config = {**SMALL, "strategy": "gm-ffa-lora", "target-epsilon": 10.0, "out-dir": str(tmp_path)}
-    grid = InProcessGrid(client_app, 5, config, fail={1, 2, 3, 4, 5})
-    strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
-                                            run_config=config), echo=lambda line: None)
-    assert strategy.ledger.rounds == 2  # sampled clients count as releases even without a reply
 
 
 def test_non_private_ffa_lora_learns_above_chance(tmp_path):

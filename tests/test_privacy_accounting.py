@@ -131,8 +131,7 @@ def test_bad_input(call, match):
 
 def test_ledger_after_t_rounds_equals_the_accountant():
     ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch")
-    ledger.begin_phase("lora", (GaussianRelease(1.5),), FIXED)
-    reports = [ledger.record_round() for _ in range(20)]
+    reports = [ledger.record("lora", (GaussianRelease(1.5),), FIXED) for _ in range(20)]
     assert [r.epsilon for r in reports] == sorted(r.epsilon for r in reports)
     assert ledger.rounds == 20 and len(ledger.history) == 20
     assert ledger.epsilon == pytest.approx(epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch").epsilon)
@@ -144,22 +143,26 @@ def test_ledger_after_t_rounds_equals_the_accountant():
 def test_ledger_stops_before_the_budget():
     budget = epsilon(_gm(1.5, FIXED, 10), delta=1e-5, threat_model="known-sketch").epsilon
     ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch", target_epsilon=budget)
-    ledger.begin_phase("lora", (GaussianRelease(1.5),), FIXED)
     rounds = 0
-    while not ledger.would_exceed_budget():
-        ledger.record_round()
+    while not ledger.would_exceed_budget("lora", (GaussianRelease(1.5),), FIXED):
+        ledger.record("lora", (GaussianRelease(1.5),), FIXED)
         rounds += 1
     assert rounds == 10 and ledger.epsilon <= budget
 
 
+def test_ledger_refuses_a_changed_release_within_a_phase():
+    ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch")
+    ledger.record("lora", (GaussianRelease(1.5),), FIXED)
+    with pytest.raises(ValueError, match="another release"):
+        ledger.record("lora", (GaussianRelease(1.4),), FIXED)
+
+
 def test_ledger_composes_phases_and_round_trips_sketched_releases():
     ledger = PrivacyLedger(delta=1e-5, threat_model="secret-sketch")
-    ledger.begin_phase("linear-probe", (GaussianRelease(3.0),), FIXED)
     for _ in range(5):
-        ledger.record_round()
+        ledger.record("linear-probe", (GaussianRelease(3.0),), FIXED)
     probe_only = ledger.epsilon
-    ledger.begin_phase("lora", (SketchedRelease(1.5, 150, 4, 4),), FIXED)
-    ledger.record_round()
+    ledger.record("lora", (SketchedRelease(1.5, 150, 4, 4),), FIXED)
     assert ledger.epsilon > probe_only
     assert PrivacyLedger.from_dict(ledger.to_dict()).epsilon == pytest.approx(ledger.epsilon)
 

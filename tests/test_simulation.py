@@ -1,14 +1,24 @@
-"""The real simulation path: a SuperLink in simulation mode, `flwr run`, Ray clients."""
+"""The real simulation path: a SuperLink in simulation mode, `flwr run`, Ray clients; killed, resumed, and
+with a Ray worker dying."""
 
 import json
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
+from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import run_simulation
 from tests.helpers import leftover_flower_processes
+
+TINY = ["num-clients=3", "clients-per-round=2", "local-steps=2", "train-examples=150", "test-examples=60"]
 
 
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch):
@@ -36,6 +46,8 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     (["--set", "rank=500"], "exceeds the smallest side (192)"),
     (["--set", "sketch-dim=500"], "Sketch dimension 500 must lie in [1, 192]"),
     (["--config", "missing.toml"], "does not exist"),
+    (["--set", "noise-multiplier=1", "--set", "target-epsilon=0.01"], "does not cover one round"),
+    (["--resume", "nowhere"], "holds no config.json"),
 ])
 def test_run_bad_input_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.setattr("fedlora.hub.unreachable_reason", lambda: "huggingface.co is unreachable")
@@ -45,3 +57,91 @@ def test_run_bad_input_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypa
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_every_config_problem_is_one_line(capsys):
+    assert main(["run", "--set", "num-client=3", "--set", "rank=0", "--set", "lr=fast"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("fedlora: error: ") for line in err)
+
+
+def _fedlora(*args: str, **popen) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fedlora.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
+    settings = [arg for s in [*TINY, "num-rounds=4"] for arg in ("--set", s)]
+    reference = _fedlora("run", *settings, "--out", str(tmp_path / "reference"))
+    assert reference.wait(timeout=400) == 0, reference.stdout.read()
+
+    out = tmp_path / "killed"
+    victim = _fedlora("run", *settings, "--out", str(out), start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    tree = [psutil.Process(victim.pid), *psutil.Process(victim.pid).children(recursive=True)]
+    for process in tree:  # the whole machine's view of a crash: every process at once, no clean-up
+        process.kill()
+    victim.wait()
+    saved = Checkpoint.load(out)
+    assert 2 <= saved.rounds_done < 4 and saved.status != FINISHED
+    for process in tree:  # what a crash would have taken with it
+        psutil.wait_procs([process], timeout=10)
+
+    resumed = _fedlora("run", "--resume", str(out))
+    output, _ = resumed.communicate(timeout=400)
+    assert resumed.returncode == 0, output
+    assert f"resuming after round {saved.rounds_done} of 4" in output
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    expected = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]  # no round counted twice
+    assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in expected]
+    assert [r["releases"] for r in rows] == [1, 2, 3, 4]
+    final, uninterrupted = Checkpoint.load(out), Checkpoint.load(tmp_path / "reference")
+    assert final.status == FINISHED and final.ledger == uninterrupted.ledger
+    for name, t in uninterrupted.state.message.items():
+        torch.testing.assert_close(final.state.message[name], t, rtol=1e-4, atol=1e-6)
+    assert not leftover_flower_processes()
+
+
+FAULTY_APP = """
+import os
+from pathlib import Path
+
+from flwr.clientapp import ClientApp
+
+from clients.app import identify as _identify, train as _train
+
+app = ClientApp()
+MARK = Path("{mark}")
+
+
+@app.query()
+def identify(msg, context):
+    return _identify(msg, context)
+
+
+@app.train()
+def train(msg, context):
+    if int(msg.content["config"]["server-round"]) == 2 and not MARK.exists():  # dies once, as an OOM kill would
+        MARK.write_text("died")
+        os._exit(1)
+    return _train(msg, context)
+"""
+
+
+def test_a_dying_ray_worker_does_not_stop_the_run(tmp_path):
+    """Flower 1.41 keeps a dead Ray actor in its pool; fedlora restarts the engine from the checkpoint."""
+    out = tmp_path / "run"
+    (out / "flower-app").mkdir(parents=True)
+    (out / "flower-app" / "faulty.py").write_text(FAULTY_APP.replace("{mark}", str(tmp_path / "died")))
+    config = RunConfig.from_mapping(dict(s.split("=") for s in [*TINY, "num-rounds=3", "strategy=ffa-lora"]))
+    lines = []
+    rows = run_simulation(config, out, echo=lines.append, client_app="faulty:app")
+    assert (tmp_path / "died").exists()
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert any("restarting the simulation engine" in line for line in lines)
+    assert Checkpoint.load(out).status == FINISHED and (out / "adapter" / "adapter_config.json").exists()
+    assert not leftover_flower_processes()

@@ -25,19 +25,25 @@ class PrivacyLedger:
     phases: list[Phase] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # one entry per recorded round
 
-    def begin_phase(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> None:
-        """Starts a phase (e.g. "linear-probe", then "lora"); its rounds compose with the earlier phases'."""
-        self.phases.append(Phase(name, tuple(release), sampling, 0))
+    def _with_release(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> list[Phase]:
+        """The phases with one more release of phase ``name`` (a new phase if the last one is another)."""
+        if self.phases and self.phases[-1].name == name:
+            *done, current = self.phases
+            if current.release != tuple(release) or current.sampling != sampling:
+                raise ValueError(f"Phase '{name}' was recorded with another release or sampling; a changed "
+                                 "mechanism starts a new phase.")
+            return [*done, dataclasses.replace(current, rounds=current.rounds + 1)]
+        return [*self.phases, Phase(name, tuple(release), sampling, 1)]
 
-    def _with_rounds(self, extra: int) -> list[Phase]:
+    def report(self) -> PrivacyReport:
+        """The guarantee after the releases recorded so far."""
         if not self.phases:
-            raise ValueError("The ledger has no phase: call begin_phase first.")
-        *done, current = self.phases
-        return [*done, dataclasses.replace(current, rounds=current.rounds + extra)]
+            raise ValueError("The ledger has recorded nothing yet.")
+        return epsilon(self.phases, delta=self.delta, threat_model=self.threat_model)
 
-    def report(self, extra_rounds: int = 0) -> PrivacyReport:
-        """The guarantee after the rounds recorded so far, plus ``extra_rounds`` more of the current phase."""
-        return epsilon(self._with_rounds(extra_rounds), delta=self.delta, threat_model=self.threat_model)
+    def report_after(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> PrivacyReport:
+        """The guarantee if one more release of phase ``name`` were recorded (nothing is recorded)."""
+        return epsilon(self._with_release(name, release, sampling), delta=self.delta, threat_model=self.threat_model)
 
     @property
     def epsilon(self) -> float:
@@ -45,17 +51,20 @@ class PrivacyLedger:
 
     @property
     def rounds(self) -> int:
+        """Releases recorded (rounds in which clients were sampled, retries included)."""
         return sum(p.rounds for p in self.phases)
 
-    def would_exceed_budget(self) -> bool:
-        """Whether one more round would push epsilon past the target: the run must stop before it."""
-        return self.target_epsilon is not None and self.report(extra_rounds=1).epsilon > self.target_epsilon
+    def would_exceed_budget(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> bool:
+        """Whether one more release would push epsilon past the target: the run must stop before it."""
+        return (self.target_epsilon is not None
+                and self.report_after(name, release, sampling).epsilon > self.target_epsilon)
 
-    def record_round(self) -> PrivacyReport:
-        """Counts one more round of the current phase and returns the guarantee after it."""
-        self.phases = self._with_rounds(1)
+    def record(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> PrivacyReport:
+        """Counts one more release of phase ``name`` (e.g. "linear-probe", then "lora"; phases compose) and
+        returns the guarantee after it."""
+        self.phases = self._with_release(name, release, sampling)
         report = self.report()
-        self.history.append({"phase": self.phases[-1].name, "round": self.rounds, "epsilon": report.epsilon,
+        self.history.append({"phase": name, "round": self.rounds, "epsilon": report.epsilon,
                              "delta": self.delta, "threat_model": self.threat_model, "method": report.method})
         return report
 

@@ -1,0 +1,76 @@
+"""A run's checkpoint: one file, rewritten atomically whenever the run's state changes.
+
+``global-state.safetensors`` in the run directory holds the global adapters as the server aggregated
+them (sketched when the mechanism sketches) and, in its metadata, everything a resumed run needs:
+the rounds done, the releases issued (retries included) and whether the last one's round was cut
+short, the privacy ledger, the metrics rows so far, the run's status, and the fingerprint of the
+nodes' sketch secret when the nodes hold it. Sampling, sketches and simulation noise are pure
+functions of (seed, release, partition), so they need no state of their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fedlora.federation import GlobalState
+
+STATE_FILE = "global-state.safetensors"
+
+RUNNING, FINISHED, BUDGET_SPENT, STALLED, RESTART = "running", "finished", "budget-spent", "stalled", "restart"
+ENDED = (FINISHED, BUDGET_SPENT)  # a run in any other status can be resumed
+
+
+@dataclass
+class Checkpoint:
+    state: GlobalState
+    rounds_done: int = 0
+    releases: int = 0  # releases issued so far: rounds in which clients were sampled, retries included
+    in_flight: bool = False  # the last release's round did not complete
+    ledger: dict | None = None  # PrivacyLedger.to_dict(); None if not private
+    rows: list[dict] = field(default_factory=list)  # metrics.jsonl's rows so far
+    status: str = RUNNING
+    reason: str = ""  # why the run stopped, when it stopped early
+    simulated: bool = True  # run by the simulation engine (`fedlora run`), which can resume it
+    secret_fingerprint: int | None = None
+
+    def save(self, run_dir: Path) -> None:
+        """Writes the checkpoint next to its final place, then renames it over the old one: a crash at any
+        moment leaves either the previous checkpoint or this one, never a torn file."""
+        from safetensors.torch import save_file
+
+        path = Path(run_dir) / STATE_FILE
+        partial = path.with_name(path.name + ".partial")
+        progress = {"rounds_done": self.rounds_done, "releases": self.releases, "in_flight": self.in_flight,
+                    "ledger": self.ledger, "rows": self.rows, "status": self.status, "reason": self.reason,
+                    "simulated": self.simulated}
+        metadata = {"produced_by": str(self.state.produced_by), "progress": json.dumps(progress)}
+        if self.secret_fingerprint is not None:
+            metadata["secret_fingerprint"] = str(self.secret_fingerprint)
+        save_file({n: t.detach().cpu().contiguous() for n, t in self.state.message.items()}, str(partial),
+                  metadata=metadata)
+        with open(partial, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(partial, path)
+        directory = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)  # the rename itself survives a power cut
+        finally:
+            os.close(directory)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> Checkpoint:
+        from safetensors import safe_open
+
+        path = Path(run_dir) / STATE_FILE
+        if not path.is_file():
+            raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata()
+            state = GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(metadata["produced_by"]))
+        fingerprint = metadata.get("secret_fingerprint")
+        # files from before checkpoints held only the final state of a finished run
+        progress = json.loads(metadata.get("progress", json.dumps({"status": FINISHED})))
+        return cls(state, secret_fingerprint=int(fingerprint) if fingerprint is not None else None, **progress)

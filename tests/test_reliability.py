@@ -1,0 +1,273 @@
+"""Faulty clients, crash-safe runs and the enforced budget, on whole federations in process (no Ray).
+
+The real-process counterparts (kill -9 then `fedlora run --resume`, a Ray worker dying, a SuperNode
+disconnecting) are in test_simulation.py and test_deployment.py.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, Context, RecordDict
+
+from clients.app import app as client_app
+from fedlora.checkpoint import BUDGET_SPENT, FINISHED, STALLED, STATE_FILE, Checkpoint
+from fedlora.config import RESUME_KEY, RunConfig
+from fedlora.experiment import noise_for, sampling_of
+from fedlora.federation import Protocol
+from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
+from fedlora.sketch import SketchKey
+from strategies.inprocess_grid import InProcessGrid
+from strategies.server_app import run_federation
+
+SMALL = {"num-clients": 5, "clients-per-round": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8,
+         "train-examples": 200, "test-examples": 60, "num-classes": 10, "sketch-dim": 16,
+         "strategy": "sgmm-ffa-lora", "target-epsilon": 10.0}
+
+
+def _run(out_dir, client=client_app, **overrides):
+    config = {**SMALL, **{k.replace("_", "-"): v for k, v in overrides.items()}, "out-dir": str(out_dir)}
+    grid = InProcessGrid(client, config["num-clients"], config)
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    return run_federation(grid, context, echo=lambda line: None), grid
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _first_client_of_each_round(tamper):
+    """A ClientApp whose first training reply of every round goes through ``tamper`` (or that raises, if
+    tamper is None); every other reply is honest."""
+    seen = set()
+
+    def app(message, context):
+        if message.metadata.message_type == "train":
+            round_ = int(message.content["config"]["server-round"])
+            if round_ not in seen:
+                seen.add(round_)
+                if tamper is None:
+                    raise RuntimeError("injected client failure")
+                reply = client_app(message, context)
+                arrays = {n: t.clone() for n, t in reply.content["arrays"].to_torch_state_dict().items()}
+                reply.content["arrays"] = ArrayRecord(tamper(arrays))
+                return reply
+        return client_app(message, context)
+    return app
+
+
+def _first(arrays, change):
+    name = next(iter(arrays))
+    return {**arrays, name: change(arrays[name])}
+
+
+def _one_nan(t):
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+FAULTS = {
+    "nan": lambda a: _first(a, _one_nan),
+    "inf": lambda a: _first(a, lambda t: t * float("inf")),
+    "wrong shape": lambda a: _first(a, lambda t: t[:-1]),
+    "wrong dtype": lambda a: _first(a, lambda t: t.double()),
+    "missing entry": lambda a: dict(list(a.items())[1:]),
+    "extra entry": lambda a: {**a, "intruder.lora_B": torch.zeros(16, 4)},
+    "oversized norm": lambda a: {n: t * 1000 for n, t in a.items()},
+}
+
+
+def test_faulty_replies_are_rejected_and_never_aggregated(tmp_path):
+    """Each fault leaves exactly the run in which that client raised instead: same state, same epsilon."""
+    baseline, _ = _run(tmp_path / "raises", _first_client_of_each_round(None), min_replies=1, num_rounds=2)
+    assert [r["replies"] for r in _rows(tmp_path / "raises")] == [2, 2]
+    for fault, tamper in FAULTS.items():
+        out = tmp_path / fault.replace(" ", "-")
+        strategy, _ = _run(out, _first_client_of_each_round(tamper), min_replies=1, num_rounds=2)
+        rows = _rows(out)
+        assert [(r["replies"], r["rejected"]) for r in rows] == [(2, 1)] * 2, fault
+        for name, t in baseline.state.message.items():
+            assert torch.equal(strategy.state.message[name], t), fault
+        assert strategy.ledger.epsilon == baseline.ledger.epsilon
+
+
+def test_honest_releases_are_within_the_norm_allowance():
+    """The allowance holds for honest releases, and the post-sketch clip makes the known-sketch one tighter."""
+    shapes = {"layer.lora_B": (192, 4), "classifier.weight": (10, 192)}
+    message = {name: torch.randn(shape) * 10 for name, shape in shapes.items()}  # clipped to 1 by the mechanism
+    for mechanism in (gaussian_mechanism(clip_norm=1.0, noise_multiplier=2.0),
+                      sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=2.0),
+                      sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=2.0, threat_model="secret-sketch"),
+                      sgmv_mechanism(sketch_dim=64, clip_norm=1.0, noise_multiplier=0.5, threat_model="secret-sketch")):
+        allowance = mechanism.norm_allowance(shapes)
+        for seed in range(20):
+            release = mechanism.privatize(message, key=SketchKey(1, seed), noise=torch.Generator().manual_seed(seed))
+            assert math.sqrt(sum(float(t.pow(2).sum()) for t in release.values())) <= allowance
+    known = sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=0.0).norm_allowance(shapes)
+    secret = sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=0.0,
+                            threat_model="secret-sketch").norm_allowance(shapes)
+    assert known == 1.0 and secret > 1.0  # R may grow an unclipped sketch by about 1 + sqrt(m / b)
+
+
+def test_too_few_replies_retry_the_round_with_new_releases_that_all_count(tmp_path):
+    failed = set()
+
+    def app(message, context):  # round 2's first try: every client fails
+        config = message.content["config"] if message.metadata.message_type == "train" else None
+        if config is not None and int(config["server-round"]) == 2 and int(config["release"]) == 2:
+            failed.add(int(context.node_config["partition-id"]))
+            raise RuntimeError("injected")
+        return client_app(message, context)
+
+    strategy, _ = _run(tmp_path, app, noise_multiplier=1.0, target_epsilon=0.0)  # no budget to stop it
+    rows = _rows(tmp_path)
+    assert [r["round"] for r in rows] == [1, 2, 3] and [r["releases"] for r in rows] == [1, 3, 4]
+    assert len(failed) == 3 and strategy.ledger.rounds == 4  # the failed try counts
+    assert strategy.state.produced_by == 4  # every release has its own sketch
+
+
+def test_a_run_without_replies_stalls_after_its_retries_and_counts_every_try(tmp_path):
+    grid_failures = {1, 2, 3, 4, 5}
+    config = {**SMALL, "out-dir": str(tmp_path), "round-retries": 1}
+    grid = InProcessGrid(client_app, 5, config, fail=grid_failures)
+    strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                            run_config=config), echo=lambda line: None)
+    assert strategy.status == STALLED and strategy.ledger.rounds == 2  # two tries of round 1, both counted
+    saved = Checkpoint.load(tmp_path)
+    assert saved.status == STALLED and saved.rounds_done == 0 and saved.releases == 2
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_the_budget_stops_the_run_before_it_is_passed(tmp_path):
+    three_rounds = noise_for(RunConfig.from_mapping({**SMALL, "noise-multiplier": 1.0})).planned.epsilon
+    strategy, _ = _run(tmp_path, noise_multiplier=1.0, num_rounds=6, target_epsilon=three_rounds * 1.0001)
+    rows = _rows(tmp_path)
+    assert [r["round"] for r in rows] == [1, 2, 3] and rows[-1]["epsilon"] <= three_rounds * 1.0001
+    assert strategy.status == BUDGET_SPENT and "past the budget" in strategy.reason
+    assert Checkpoint.load(tmp_path).status == BUDGET_SPENT
+    assert (tmp_path / "adapter").exists()  # a budget stop is a normal end
+
+
+def _resume(out_dir, client=client_app, **overrides):
+    return _run(out_dir, client, **{RESUME_KEY: True, **overrides})
+
+
+class Crash(Exception):
+    pass
+
+
+class CrashingGrid(InProcessGrid):
+    """The server dies as round ``crash_round``'s messages go out: after its release was recorded and
+    checkpointed, before any reply."""
+
+    crash_round = 3
+
+    def send_and_receive(self, messages, *, timeout=None):
+        messages = list(messages)
+        if messages and messages[0].metadata.message_type == "train" and \
+                int(messages[0].content["config"]["server-round"]) == self.crash_round:
+            raise Crash()
+        return super().send_and_receive(messages, timeout=timeout)
+
+
+@pytest.mark.parametrize("crash_at", ["after round 2", "mid round 3"])
+def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, crash_at):
+    reference, _ = _run(tmp_path / "reference", num_rounds=4)
+    out = tmp_path / "crashed"
+    config = {**SMALL, "num-rounds": 4, "out-dir": str(out)}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    with monkeypatch.context() as patch:
+        if crash_at == "after round 2":  # dies before round 3 is sampled
+            from strategies.fedlora_strategy import FedLoRAStrategy
+            original = FedLoRAStrategy.configure_train
+
+            def configure_train(self, server_round, *args):
+                if server_round == 3:
+                    raise Crash()
+                return original(self, server_round, *args)
+            patch.setattr(FedLoRAStrategy, "configure_train", configure_train)
+        with pytest.raises(Crash):
+            run_federation(CrashingGrid(client_app, 5, config), context, echo=lambda line: None)
+    saved = Checkpoint.load(out)
+    assert saved.rounds_done == 2 and saved.in_flight == (crash_at == "mid round 3")
+    resumed, _ = _resume(out, num_rounds=4)
+    assert [r["round"] for r in _rows(out)] == [1, 2, 3, 4]  # no round counted twice
+    assert resumed.ledger.rounds == reference.ledger.rounds == 4
+    assert resumed.ledger.epsilon == reference.ledger.epsilon
+    for name, t in reference.state.message.items():
+        torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)
+    assert Checkpoint.load(out).status == FINISHED
+
+
+def test_an_interrupted_release_with_os_noise_stays_counted(tmp_path):
+    out = tmp_path / "run"
+    unbudgeted = {"noise-multiplier": 1.0, "target-epsilon": 0.0}
+    config = {**SMALL, **unbudgeted, "num-rounds": 3, "noise-source": "os", "out-dir": str(out)}
+    grid = CrashingGrid(client_app, 5, config)
+    grid.crash_round = 2
+    with pytest.raises(Crash):
+        run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                       echo=lambda line: None)
+    resumed, _ = _resume(out, noise_source="os", **unbudgeted)
+    assert resumed.ledger.rounds == 4  # 3 rounds plus the release whose noise is gone
+    assert [r["releases"] for r in _rows(out)] == [1, 3, 4]
+
+
+def test_resume_refuses_an_ended_run(tmp_path):
+    _run(tmp_path, num_rounds=1)
+    with pytest.raises(RuntimeError, match="has ended"):
+        _resume(tmp_path, num_rounds=1)
+
+
+def test_checkpoints_are_replaced_atomically(tmp_path, monkeypatch):
+    """A crash while writing leaves the previous checkpoint whole."""
+    strategy, _ = _run(tmp_path, num_rounds=1)
+    before = (tmp_path / STATE_FILE).read_bytes()
+
+    def torn(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("os.replace", torn)
+    with pytest.raises(OSError):
+        strategy.checkpoint().save(tmp_path)
+    assert (tmp_path / STATE_FILE).read_bytes() == before and Checkpoint.load(tmp_path).rounds_done == 1
+
+
+def test_sampling_does_not_depend_on_which_nodes_reply(tmp_path):
+    """The accountant assumes N of C uniformly: a node that is gone is sampled like any other."""
+    config = RunConfig.from_mapping(SMALL)
+    protocol = Protocol(config, 1.0)
+    from strategies.fedlora_strategy import FedLoRAStrategy
+    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), None,
+                               sampling_of(config), {})
+    draws = [tuple(strategy._sample(release)) for release in range(1, 301)]
+    counts = torch.bincount(torch.tensor([p for d in draws for p in d]), minlength=5)
+    assert all(len(d) == 3 for d in draws) and counts.min() > 130  # 180 expected each
+
+
+def test_resume_and_run_directories_refuse_bad_input_with_one_line(tmp_path, capsys):
+    from fedlora.cli import main
+
+    _run(tmp_path, num_rounds=1)
+    for argv, message in [(["--resume", str(tmp_path)], "has ended (finished, 1 rounds)"),
+                          (["--resume", str(tmp_path), "--set", "lr=1"], "drop --config, --set and --out"),
+                          (["--out", str(tmp_path)], "holds a run already")]:
+        assert main(["run", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, argv
+
+
+def test_a_state_file_from_before_checkpoints_counts_as_ended(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"classifier.weight": torch.zeros(2, 2)}, str(tmp_path / STATE_FILE), metadata={"produced_by": "0"})
+    assert Checkpoint.load(tmp_path).status == FINISHED
+
+
+def test_private_clients_report_no_training_loss(tmp_path):
+    """A client's loss is a function of its data: sent in the clear it would escape the accountant."""
+    _run(tmp_path / "private", num_rounds=1)
+    _run(tmp_path / "open", num_rounds=1, strategy="ffa-lora")
+    assert _rows(tmp_path / "private")[0]["train_loss"] is None
+    assert _rows(tmp_path / "open")[0]["train_loss"] > 0
