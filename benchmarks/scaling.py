@@ -12,7 +12,6 @@ import csv
 import json
 import subprocess
 import sys
-import time
 
 import torch
 

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import time
 
-import torch
 
 from benchmarks.common import RESULTS, command_line, machine, revision, median_seconds
 from fedlora.lora import LoRAMode, build_lora_model, get_adapters, to_message

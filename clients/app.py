@@ -10,7 +10,6 @@ import time
 from functools import lru_cache
 
 import psutil
-import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 

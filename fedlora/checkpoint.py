@@ -33,7 +33,7 @@ class Checkpoint:
     rows: list[dict] = field(default_factory=list)  # metrics.jsonl's rows so far
     status: str = RUNNING
     reason: str = ""  # why the run stopped, when it stopped early
-    simulated: bool = True  # run by the simulation engine (`fedlora run`), which can resume it
+    simulated: bool = False  # run by the simulation engine (`fedlora run`), which can resume it
     secret_fingerprint: int | None = None
 
     def save(self, run_dir: Path) -> None:

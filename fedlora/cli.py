@@ -211,7 +211,8 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
                                                             sampling_of(config)):
                 raise CLIError(f"The budget epsilon = {budget:g} does not cover one round at noise multiplier "
                                f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
-            print(f"  budget: epsilon = {budget:g}; the run stops before the round that would pass it")
+            print(f"  budget: epsilon = {budget:g} ({config.threat_model}); the run stops before the round that "
+                  "would pass it")
     return out_dir
 
 
@@ -267,7 +268,8 @@ def resume(args: argparse.Namespace) -> None:
         raise CLIError(f"The run in '{out_dir}' was a deployment: `fedlora run --resume` resumes simulations only.")
     _prepare(args, config, "run", out_dir=out_dir)
     done = saved.rounds_done if saved else 0
-    epsilon = f", epsilon {saved.rows[-1]['epsilon']:.3f} spent" if saved and saved.rows else ""
+    last = saved.rows[-1] if saved and saved.rows else None
+    epsilon = f", epsilon {last['epsilon']:.3f} ({last['threat_model']}) spent" if last else ""
     print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
     _done(run_simulation(config, out_dir, resume=True), out_dir)
 

@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
 
 from fedlora.aggregation import mean_message, redistribute, svd_of_mean_product, truncate
 from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
