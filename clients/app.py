@@ -65,14 +65,12 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-@app.train()
-def train(msg: Message, context: Context) -> Message:
-    startup_seconds = _startup_seconds()
+def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, NodeSettings]:
+    """The run config, the round's protocol (its noise and sketch seed) and this node's settings."""
     config = run_config_of(context.run_config)
     round_config = msg.content["config"]
     protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
     node = NodeSettings.from_node_config(context.node_config)
-    partition_id = node.partition_id
     if config.threat_model == "known-sketch":
         protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
     elif config.sketch_secret == "node-file":  # shared by the clients out of band, never seen by the server
@@ -80,17 +78,45 @@ def train(msg: Message, context: Context) -> Message:
             raise ValueError("This run's sketch secret comes from the nodes: start the SuperNode with "
                              "--node-config \"... sketch-secret-file='PATH'\".")
         protocol.sketch_seed = read_sketch_seed(node.sketch_secret_file)
+    return config, protocol, node
+
+
+def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_id: int):
+    """Seeded noise in simulations that ask for it, else None: the OS's secure randomness."""
+    return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
+
+
+def reply(msg: Message, release: dict, metrics: dict) -> Message:
+    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
+                               "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})}), reply_to=msg)
+
+
+@app.train()
+def train(msg: Message, context: Context) -> Message:
+    startup_seconds = _startup_seconds()
+    config, protocol, node = round_setup(msg, context)
+    partition_id = node.partition_id
     model, base = _model(config, protocol.client_rank(partition_id))
+    round_config = msg.content["config"]
     state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
                         int(round_config["produced-by"]))
     round_, release = int(round_config["server-round"]), int(round_config["release"])
-    noise = protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
-    result = protocol.local_round(model, base, _local_data(config, node), state,
-                                  round_=round_, release=release, partition_id=partition_id, noise=noise)
-    metrics = {"partition-id": partition_id, "bytes-up": num_bytes(result.release), "train-seconds": result.train_seconds,
+    result = protocol.local_round(model, base, _local_data(config, node), state, round_=round_, release=release,
+                                  partition_id=partition_id, noise=round_noise(config, protocol, release, partition_id))
+    metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
                "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds}
     if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
         metrics["train-loss"] = float(result.train_loss)
-    metrics = MetricRecord(metrics)
-    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in result.release.items()}),
-                               "metrics": metrics}), reply_to=msg)
+    return reply(msg, result.release, metrics)
+
+
+def canary_train(msg: Message, context: Context, direction: dict) -> Message:
+    """A canary client of the privacy audit (fedlora.audit): instead of training, it sends its fixed unit
+    ``direction`` scaled to the clip norm, through the round's mechanism like any client."""
+    config, protocol, node = round_setup(msg, context)
+    round_config = msg.content["config"]
+    round_, release = int(round_config["server-round"]), int(round_config["release"])
+    message = {name: t * config.clip_norm for name, t in direction.items()}
+    out = protocol.mechanism_for(round_).privatize(message, key=protocol.key(release),
+                                                   noise=round_noise(config, protocol, release, node.partition_id))
+    return reply(msg, out, {"partition-id": node.partition_id})

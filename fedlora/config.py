@@ -32,6 +32,8 @@ SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fed
 # `fedlora deploy` without --config: two SuperNodes on this machine, two rounds, OS noise.
 DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "train-examples": 400,
                  "test-examples": 200, "noise-source": "os"}
+# `fedlora audit` without --config: enough clients per round for canaries to be sampled, evaluation at the end only
+AUDIT_PRESET = {"num-clients": 400, "clients-per-round": 40, "eval-every": 10}
 HEAD_MODES = ("message", "probe", "frozen")
 
 

@@ -1,0 +1,228 @@
+"""The privacy audit report: every strategy's accountant epsilon beside its empirical epsilon, under each threat model.
+
+    python -m benchmarks.privacy_audit     # writes benchmarks/results/privacy_audit.{md,json,png}
+
+Mechanism level: one 192 x 4 LoRA B (the tiny ViT's query/value) at clip norm 1, released through each
+strategy's mechanism; the attacker's best statistic; Clopper-Pearson lower bounds (fedlora.audit).
+Federation level: `fedlora audit`'s canary run (the quickstart with 400 clients, 40 per round, target
+epsilon 8, 300 canaries) for every strategy and threat model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, command_line, machine, revision
+from fedlora.audit import audit_mechanism
+from fedlora.config import AUDIT_PRESET, load_config
+from fedlora.mechanisms import Mechanism, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
+from fedlora.sketch import MatrixSketch
+
+SHAPE = (192, 4)
+
+
+def mechanism_rows(z: float) -> list[tuple[str, Mechanism, int]]:
+    """(strategies, mechanism, clients sharing the sketch) for every mechanism and threat model."""
+    def sgmm(threat: str, b: int = 64, noise: float = z):
+        return sgmm_mechanism(sketch_dim=b, clip_norm=1.0, noise_multiplier=noise, threat_model=threat)
+
+    def sgmv(threat: str):
+        return sgmv_mechanism(sketch_dim=64 * SHAPE[1], clip_norm=1.0, noise_multiplier=z, threat_model=threat)
+
+    return [
+        ("ffa-lora, flexlora (not private)", Mechanism(clip_norm=1.0), 1),
+        ("a sketch without noise (papers 000/003)", Mechanism(MatrixSketch(64), 1.0, 0.0, "secret-sketch"), 1),
+        ("gm-ffa-lora, gm-flexlora", gaussian_mechanism(clip_norm=1.0, noise_multiplier=z), 1),
+        ("sgmm-ffa-lora, sgmm-flexlora", sgmm("known-sketch"), 1),
+        ("sgmv-ffa-lora", sgmv("known-sketch"), 1),
+        ("sgmm-ffa-lora, sgmm-flexlora", sgmm("secret-sketch"), 1),
+        ("sgmv-ffa-lora", sgmv("secret-sketch"), 1),
+        ("sgmm-ffa-lora, sgmm-flexlora", sgmm("secret-sketch"), 4),
+        ("sgmm-ffa-lora, sgmm-flexlora", sgmm("secret-sketch", b=150, noise=0.8), 64),
+    ]
+
+
+FEDERATION_RUNS = [("ffa-lora", "known-sketch"), ("flexlora", "known-sketch"),
+                   ("gm-ffa-lora", "known-sketch"), ("gm-flexlora", "known-sketch"),
+                   ("sgmm-ffa-lora", "known-sketch"), ("sgmm-ffa-lora", "secret-sketch"),
+                   ("sgmv-ffa-lora", "known-sketch"), ("sgmv-ffa-lora", "secret-sketch"),
+                   ("sgmm-flexlora", "known-sketch"), ("sgmm-flexlora", "secret-sketch")]
+
+
+def _eps(value: float | None) -> str:
+    return "inf" if value is None or math.isinf(value) else f"{value:.2f}"
+
+
+def _verdict(r: dict) -> str:
+    acct, emp = r["accountant_epsilon"], r["empirical_epsilon"]
+    if not r["empirical_kind"].startswith("lower bound"):
+        return "estimate"
+    if acct is not None and emp > acct:
+        return "**accountant refuted**"
+    if r.get("claimed_epsilon") is not None and emp > r["claimed_epsilon"]:
+        return f"**paper's claim {r['claimed_epsilon']:.2f} refuted**"
+    return "holds" if acct is not None else "not private, as reported"
+
+
+def _plot(results: list[dict], path: Path) -> None:
+    """One bar pair per audit: the accountant's epsilon and the empirical one (a red x: the paper's claim)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cap = 12.0
+    levels = [lvl for lvl in ("mechanism", "federation") if any(r["level"] == lvl for r in results)]
+    fig, axes = plt.subplots(len(levels), 1, figsize=(9, 1.2 + 0.42 * len(results)), squeeze=False,
+                             gridspec_kw={"height_ratios": [sum(r["level"] == lvl for r in results) for lvl in levels]})
+    for ax, level in zip(axes[:, 0], levels):
+        rows = [r for r in results if r["level"] == level][::-1]
+        y = np.arange(len(rows))
+        accountant = [cap if r["accountant_epsilon"] is None else min(r["accountant_epsilon"], cap) for r in rows]
+        empirical = [cap if r["empirical_epsilon"] is None else min(r["empirical_epsilon"], cap) for r in rows]
+        ax.barh(y + 0.2, accountant, height=0.38, color="lightgray", label="accountant epsilon")
+        ax.barh(y - 0.2, empirical, height=0.38, color="tab:blue" if level == "mechanism" else "tab:green",
+                label="empirical: 95% lower bound" if level == "mechanism" else "empirical: canary estimate")
+        for i, r in enumerate(rows):
+            for value, dy in ((r["accountant_epsilon"], 0.2), (r["empirical_epsilon"], -0.2)):
+                if value is None or value > cap:
+                    ax.text(cap, i + dy, " inf" if value is None else f" {value:.1f}", va="center", fontsize=7)
+            if r.get("claimed_epsilon") is not None:
+                ax.plot([r["claimed_epsilon"]], [i], "x", color="tab:red", markersize=9,
+                        label="the paper's per-message epsilon")
+        ax.set_yticks(y, [f"{r['strategies']} ({r['threat_model']})" if level == "federation" else r["name"]
+                          for r in rows], fontsize=7)
+        ax.set_xlim(0, cap * 1.12)
+        ax.set_title("one client message" if level == "mechanism" else "canaries in a whole run (estimate, not a bound)",
+                     fontsize=9)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7, loc="center right")
+    axes[-1, 0].set_xlabel("epsilon at delta 1e-5 (bars cut at 12)")
+    fig.suptitle("A lower bound longer than its gray bar (or past a red x) refutes that claim", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=10000, help="releases per hypothesis (mechanism level)")
+    parser.add_argument("--noise-multiplier", type=float, default=1.0, help="z of the mechanism-level rows")
+    parser.add_argument("--canaries", type=int, default=300, help="canary clients per run (0: no federation level)")
+    parser.add_argument("--delta", type=float, default=1e-5)
+    parser.add_argument("--render", action="store_true", help="rewrite the markdown and plot from the saved JSON")
+    args = parser.parse_args()
+    if args.render:
+        report = json.loads((RESULTS / "privacy_audit.json").read_text())
+    else:
+        report = measure(args)
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "privacy_audit.json").write_text(json.dumps(report, indent=2) + "\n")
+    render(report)
+    print(f"wrote {RESULTS / 'privacy_audit.md'}")
+
+
+def measure(args: argparse.Namespace) -> dict:
+    from strategies.canary_audit import audit_federation
+
+    started = time.perf_counter()
+    results = []
+    for strategies, mechanism, n in mechanism_rows(args.noise_multiplier):
+        r = audit_mechanism(mechanism, shape=SHAPE, trials=args.trials, delta=args.delta, clients_per_round=n)
+        results.append({"strategies": strategies, **r.to_json()})
+        print(f"{strategies}: {r.name}: AUC {r.auc:.3f}, empirical {r.empirical_epsilon:.2f}, accountant "
+              f"{r.accountant_epsilon:.2f}", flush=True)
+    for strategy, threat in FEDERATION_RUNS if args.canaries else []:
+        config = load_config(None, [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
+                             + [f"strategy={strategy}", f"threat-model={threat}", f"delta={args.delta}"])
+        with tempfile.TemporaryDirectory() as out:
+            r = audit_federation(config, args.canaries, Path(out), echo=lambda line: None)
+        results.append({"strategies": strategy, **r.to_json()})
+        print(f"{strategy} ({threat}): AUC {r.auc:.3f}, empirical {r.empirical_epsilon:.2f}, accountant "
+              f"{r.accountant_epsilon:.2f}", flush=True)
+    return {"command": command_line("benchmarks.privacy_audit"), "commit": revision(), "machine": machine(),
+            "minutes": (time.perf_counter() - started) / 60, "trials": args.trials,
+            "noise_multiplier": args.noise_multiplier, "canaries": args.canaries, "delta": args.delta,
+            "results": results}
+
+
+def render(report: dict) -> None:
+    results = report["results"]
+    _plot(results, RESULTS / "privacy_audit.png")
+    head = ("| strategies | release | threat model | attack | AUC | TPR at FPR 1% | TPR at FPR 10% | empirical epsilon "
+            "| accountant epsilon | verdict |\n|---|---|---|---|---:|---:|---:|---:|---:|---|")
+
+    def table(level: str) -> list[str]:
+        return [head] + [f"| {r['strategies']} | {r['name']} | {r['threat_model']} | {r['attack']} | {r['auc']:.3f} | "
+                         f"{r['tpr_at_fpr_0.01']:.3f} | {r['tpr_at_fpr_0.1']:.3f} | {_eps(r['empirical_epsilon'])}"
+                         + (f" (floor {_eps(r['null_epsilon'])})" if r["null_epsilon"] is not None else "")
+                         + f" | {_eps(r['accountant_epsilon'])} | {_verdict(r)} |" for r in results if r["level"] == level]
+
+    lines = [
+        "# Privacy audit: accountant epsilon against empirical epsilon",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Commit: {report['commit']}  ",
+        f"Machine: {report['machine']}; all of it took {report['minutes']:.1f} min  ",
+        f"delta = {report['delta']:g}. Plot: [privacy_audit.png](privacy_audit.png); every number: "
+        "[privacy_audit.json](privacy_audit.json).",
+        "",
+        "## Mechanism level: one client message",
+        "",
+        f"One {SHAPE[0]} x {SHAPE[1]} LoRA B at the clip norm (tau = 1) and its neighbour, {report['trials']} releases "
+        "of each through the product's own `Mechanism.privatize`, noise multiplier "
+        f"{report['noise_multiplier']:g} unless the release says otherwise. R known: the likelihood ratio against the "
+        "noiseless releases of X and X' = -X. R secret: the Gaussian likelihood ratio of the release's sketch rows "
+        "(a covariance statistic) against X' orthogonal to X (SGMM) or X' = 0 (SGMV); with N clients sharing R, "
+        "the other N - 1 send X and are known to the attacker. Empirical epsilon: a lower bound that holds with 95% "
+        "confidence (threshold chosen on half the trials, Clopper-Pearson on the other half; with this many "
+        "trials no test can certify much more than 7). Accountant epsilon: fedlora's for that one release "
+        "(replace-one, no sampling).",
+        "",
+        *table("mechanism"),
+        "",
+    ]
+    if report["canaries"]:
+        lines += [
+            "## Federation level: canaries in a whole run",
+            "",
+            "`fedlora audit`'s run for each strategy: the quickstart (tiny ViT, synthetic data, 10 rounds, target "
+            f"epsilon 8) with 400 clients, 40 per round, of which {report['canaries']} are canaries sending a fixed "
+            "random direction at the clip norm; each canary's score is its largest cosine with a round's update of "
+            "the global model (de-sketched as clients see it); directions never inserted give the null. "
+            "Empirical epsilon: Andrew et al.'s estimate from Gaussians fitted to both score sets. It is not a "
+            "bound and cannot refute anything. The floor is the same estimate between two sets of directions "
+            "never inserted: what this estimator says when there is nothing to find.",
+            "",
+            *table("federation"),
+            "",
+        ]
+    lines += [
+        "## Reading it",
+        "",
+        "- Without noise every strategy is caught: AUC 1, and the lower bound is as large as the trial count "
+        "allows, whether or not the message is sketched with a secret R (../shared/papers/001, Prop. 2). The "
+        "accountant says epsilon = inf for them, never a number.",
+        "- Every lower bound stays below fedlora's accountant epsilon for the same release, under both threat "
+        "models: the accountant is not refuted.",
+        "- The paper's per-message analysis of a secret sketch is refuted where the sketch is shared: with 64 "
+        "clients of a round sharing R, the clients the attacker knows reveal R X and the target's sign shows. "
+        "fedlora accounts the joint release of the round (fedlora/privacy/shared_sketch_bound.md) and uses the "
+        "known-sketch threat model by default.",
+        "- In whole runs the canaries of the private strategies are not detected (AUC about 0.5, TPR at FPR 1% "
+        "near 0.01): their estimates are of the size of the estimator's floor, not evidence of leakage. The "
+        "non-private runs are caught although a third of the canaries are never sampled.",
+    ]
+    (RESULTS / "privacy_audit.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,357 @@
+"""Empirical privacy: membership tests against a mechanism's releases, and canaries in a whole run.
+
+Mechanism level (../shared/papers/001, App. F.1, at the level of one client message): many trials
+release a client message X or its neighbour X' (both of Frobenius norm at most the clip norm tau)
+through the product's own ``Mechanism.privatize``; the attacker scores each release with the
+strongest statistic it has and we report ROC AUC, TPR at FPR 1% and 10%, and a lower bound on
+epsilon that holds with the stated confidence (Clopper-Pearson on a held-out half of the trials).
+- R known (GM, or any sketch under known-sketch): the release is Gaussian around M(X), the noiseless
+  release the attacker recomputes from the public seed, so the likelihood ratio is <Y, M(X) - M(X')>.
+  The pair is X' = -X (distance 2 tau, the replace-one worst case).
+- R secret (SGMM/SGMV under secret-sketch, and the noise-free sketch): each sketch row of the release
+  is N(0, G^T G / b + noise), G the sketched matrix (X for SGMM, vec(X) for SGMV), so the likelihood
+  ratio is a quadratic form in the rows: the covariance statistic. The pair is X' orthogonal to X
+  (different row spaces, ../shared/papers/001 Prop. 2) for SGMM, X' = 0 for SGMV and rank 1 (there
+  only the norm shows). With ``clients_per_round`` N > 1 the round's other N - 1 clients share R and
+  their messages are known to the attacker (DP fixes everyone but the target): they send X, whose
+  releases reveal R X, and the pair is X' = -X. This is where the paper's per-message analysis fails.
+
+Federation level (Andrew et al. 2024, "One-shot empirical privacy estimation for federated
+learning"): canary clients whose message is a fixed random direction at the clip norm take part in a
+run like any client; each is scored by the largest cosine between its direction and a round's
+update of the global model, and compared with directions never inserted. Gaussians fitted to both
+score sets give the run's empirical epsilon (an estimate, not a bound).
+
+Pure NumPy/torch: no Flower here (the canary run's glue is in ``strategies.canary_audit``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import numpy as np
+import torch
+from scipy import stats
+
+from fedlora.algorithms import LoRAMode
+from fedlora.mechanisms import Mechanism, ThreatModel
+from fedlora.privacy.accounting import epsilon as accountant_epsilon
+from fedlora.privacy.events import Phase, SamplingScheme
+from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, side_of
+
+CONFIDENCE = 0.95
+ENTRY = "audit.lora_B"  # the audited message: one LoRA B factor, sketched from the left like a real one
+
+
+# -- statistics of two score samples ---------------------------------------------------------------
+def roc_auc(members: np.ndarray, others: np.ndarray) -> float:
+    """P(a member's score > a non-member's), ties counted half (Mann-Whitney)."""
+    ranks = stats.rankdata(np.concatenate([members, others]))
+    n1, n0 = len(members), len(others)
+    return float((ranks[:n1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
+
+
+def tpr_at_fpr(members: np.ndarray, others: np.ndarray, fpr: float) -> float:
+    """The fraction of members scored above the threshold that only ``fpr`` of the non-members pass."""
+    threshold = np.quantile(others, 1 - fpr, method="higher")
+    return float(np.mean(members > threshold))
+
+
+def _epsilons(tp: np.ndarray, n1: int, fp: np.ndarray, n0: int, delta: float, level: float) -> np.ndarray:
+    """log((TPR_low - delta) / FPR_high) with one-sided Clopper-Pearson bounds, each at ``level``."""
+    tpr_low = np.where(tp > 0, stats.beta.ppf(level, np.maximum(tp, 1), n1 - tp + 1), 0.0)
+    fpr_high = np.where(fp < n0, stats.beta.ppf(1 - level, fp + 1, np.maximum(n0 - fp, 1)), 1.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(tpr_low > delta, np.log((tpr_low - delta) / fpr_high), 0.0)
+
+
+def _counts(positives: np.ndarray, negatives: np.ndarray, thresholds: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """How many of each sample score at or above every threshold."""
+    return (len(positives) - np.searchsorted(np.sort(positives), thresholds, side="left"),
+            len(negatives) - np.searchsorted(np.sort(negatives), thresholds, side="left"))
+
+
+def epsilon_lower_bound(members: np.ndarray, others: np.ndarray, *, delta: float, confidence: float = CONFIDENCE,
+                        seed: int = 0) -> float:
+    """An epsilon that the mechanism exceeds with probability at least ``confidence``, or 0.
+
+    Any (epsilon, delta)-DP mechanism has TPR <= e^epsilon FPR + delta for every test (and the same with
+    the roles swapped). The test (a threshold, and which side counts as member) is chosen on one half of
+    the trials; its TPR and FPR are bounded with Clopper-Pearson on the other half, each bound at
+    (1 - confidence) / 2, so choosing the test costs no confidence.
+    """
+    rng = np.random.default_rng(seed)
+    m, o = rng.permutation(members), rng.permutation(others)
+    (m_pick, m_eval), (o_pick, o_eval) = np.array_split(m, 2), np.array_split(o, 2)
+    level = (1 - confidence) / 2
+    best, choice = -np.inf, None
+    for side in (1, -1):  # members high, or members low
+        pos, neg = side * m_pick, side * o_pick
+        thresholds = np.unique(np.concatenate([pos, neg]))
+        tp, fp = _counts(pos, neg, thresholds)
+        eps = _epsilons(tp, len(pos), fp, len(neg), delta, level)
+        i = int(np.argmax(eps))
+        if eps[i] > best:
+            best, choice = eps[i], (side, thresholds[i])
+    side, threshold = choice
+    tp, fp = _counts(side * m_eval, side * o_eval, np.array([threshold]))
+    return max(0.0, float(_epsilons(tp, len(m_eval), fp, len(o_eval), delta, level)[0]))
+
+
+# -- epsilon of two Gaussians (the canary estimate) -------------------------------------------------
+def _gaussian_delta(eps: float, p: tuple[float, float], q: tuple[float, float]) -> float:
+    """sup_S P(S) - e^eps Q(S) for P = N(p), Q = N(q) (mean, std): S is where log p/q > eps, a quadratic."""
+    (m1, s1), (m0, s0) = p, q
+    a = 0.5 / s0 ** 2 - 0.5 / s1 ** 2
+    b = m1 / s1 ** 2 - m0 / s0 ** 2
+    c = m0 ** 2 / (2 * s0 ** 2) - m1 ** 2 / (2 * s1 ** 2) + math.log(s0 / s1) - eps
+
+    def mass(lo: float, hi: float) -> float:
+        return (stats.norm.cdf(hi, m1, s1) - stats.norm.cdf(lo, m1, s1)
+                - math.exp(eps) * (stats.norm.cdf(hi, m0, s0) - stats.norm.cdf(lo, m0, s0)))
+
+    if abs(a) < 1e-12 * max(1.0, abs(b)):  # equal variances: a half line
+        if b == 0:
+            return max(0.0, mass(-math.inf, math.inf)) if c > 0 else 0.0
+        x = -c / b
+        return max(0.0, mass(x, math.inf) if b > 0 else mass(-math.inf, x))
+    disc = b * b - 4 * a * c
+    if disc <= 0:
+        return max(0.0, mass(-math.inf, math.inf)) if a > 0 else 0.0
+    r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
+    if a > 0:  # outside the roots
+        return max(0.0, mass(-math.inf, r1) + mass(r2, math.inf))
+    return max(0.0, mass(r1, r2))
+
+
+def gaussian_pair_epsilon(p: tuple[float, float], q: tuple[float, float], delta: float) -> float:
+    """The smallest epsilon with which N(p) and N(q) (mean, std) are (epsilon, delta)-indistinguishable."""
+    def worst(eps: float) -> float:
+        return max(_gaussian_delta(eps, p, q), _gaussian_delta(eps, q, p))
+
+    if worst(0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while worst(hi) > delta:
+        lo, hi = hi, 2 * hi
+        if hi > 512:  # e^eps overflows beyond about 709: indistinguishable from no privacy at all
+            return math.inf
+    while hi - lo > 1e-6 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if worst(mid) <= delta else (mid, hi)
+    return hi
+
+
+def canary_epsilon(inserted: np.ndarray, null: np.ndarray, delta: float) -> float:
+    """Andrew et al.'s estimate: epsilon between Gaussians fitted to the inserted and the null canary scores."""
+    return gaussian_pair_epsilon((float(np.mean(inserted)), float(np.std(inserted, ddof=1))),
+                                 (float(np.mean(null)), float(np.std(null, ddof=1))), delta)
+
+
+# -- results ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AuditResult:
+    """One audit: how well the attacker told members from non-members, against what the accountant claims."""
+
+    name: str
+    level: str  # "mechanism" or "federation"
+    threat_model: str
+    attack: str
+    trials: int  # per hypothesis (mechanism level) or canaries inserted (federation level)
+    auc: float
+    tpr_at_fpr_0_01: float
+    tpr_at_fpr_0_1: float
+    empirical_epsilon: float
+    empirical_kind: str  # what the empirical epsilon is: a lower bound at a confidence, or an estimate
+    accountant_epsilon: float
+    delta: float
+    noise_multiplier: float
+    claimed_epsilon: float | None = None  # the paper's per-message analysis, where it differs from ours
+    null_epsilon: float | None = None  # canaries: the same estimate with nothing inserted, its noise floor
+    seconds: float = 0.0
+
+    @property
+    def violated(self) -> bool:
+        """Whether the attack proves the accountant's epsilon wrong (a lower bound above it)."""
+        return self.empirical_kind.startswith("lower bound") and self.empirical_epsilon > self.accountant_epsilon
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["tpr_at_fpr_0.01"], out["tpr_at_fpr_0.1"] = out.pop("tpr_at_fpr_0_01"), out.pop("tpr_at_fpr_0_1")
+        return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}  # null: infinite
+
+
+def summarize(name: str, level: str, members: np.ndarray, others: np.ndarray, *, threat_model: str, attack: str,
+              empirical_epsilon: float, empirical_kind: str, accountant: float, delta: float,
+              noise_multiplier: float, claimed: float | None = None, null_epsilon: float | None = None,
+              seconds: float = 0.0) -> AuditResult:
+    return AuditResult(name, level, threat_model, attack, len(members), roc_auc(members, others),
+                       tpr_at_fpr(members, others, 0.01), tpr_at_fpr(members, others, 0.1), empirical_epsilon,
+                       empirical_kind, accountant, delta, noise_multiplier, claimed, null_epsilon, seconds)
+
+
+# -- mechanism level --------------------------------------------------------------------------------
+def _unit(rng: np.random.Generator, m: int, *, orthogonal_to: np.ndarray | None = None) -> np.ndarray:
+    u = rng.standard_normal(m)
+    if orthogonal_to is not None:
+        u -= (u @ orthogonal_to) * orthogonal_to
+    return u / np.linalg.norm(u)
+
+
+def _sketched_form(x: np.ndarray, vectorized: bool) -> np.ndarray:
+    """What the sketch multiplies from the left: X (m x r) for SGMM, vec(X) as one column for SGMV."""
+    return x.T.reshape(-1, 1) if vectorized else x
+
+
+def mechanism_name(mechanism: Mechanism, clients_per_round: int = 1) -> str:
+    """E.g. "SGMM b=64, z=1, secret sketch shared by 4 clients"."""
+    sketch = mechanism.sketch
+    parts = ["GM" if isinstance(sketch, NoSketch) else
+             f"SGMV h={sketch.dim}" if isinstance(sketch, VectorSketch) else f"SGMM b={sketch.dim}",
+             f"z={mechanism.noise_multiplier:.3g}" if mechanism.private else "no noise"]
+    if not isinstance(sketch, NoSketch):
+        parts.append("known sketch" if mechanism.threat_model is ThreatModel.KNOWN_SKETCH else
+                     "secret sketch" + (f" shared by {clients_per_round} clients" if clients_per_round > 1 else ""))
+    return ", ".join(parts)
+
+
+def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), trials: int = 5000,
+                    delta: float = 1e-5, seed: int = 0, clients_per_round: int = 1,
+                    confidence: float = CONFIDENCE) -> AuditResult:
+    """Membership test against ``trials`` releases of X and of its neighbour X' through ``mechanism``.
+
+    ``clients_per_round`` > 1 (secret sketch only) adds the round's other clients, who share R and whose
+    messages the attacker knows. Their N - 1 releases enter as their mean, which is exactly distributed as
+    one release with noise multiplier z / sqrt(N - 1): same information, one call instead of N - 1.
+    """
+    import time
+
+    if mechanism.clip_norm is None:
+        raise ValueError("An audit needs a clip norm: the neighbouring messages sit at it.")
+    if trials < 100:
+        raise ValueError(f"An audit needs at least 100 trials per hypothesis, got {trials}.")
+    m, r = shape
+    started = time.perf_counter()
+    knows_r = isinstance(mechanism.sketch, NoSketch) or mechanism.threat_model is ThreatModel.KNOWN_SKETCH
+    colluders = 0 if knows_r else clients_per_round - 1
+    vectorized = isinstance(mechanism.sketch, VectorSketch)
+    tau = mechanism.clip_norm
+    rng = np.random.default_rng(seed)
+    u = _unit(rng, m)
+    v, v2 = np.eye(r)[0], np.eye(r)[min(1, r - 1)]
+    x = tau * np.outer(u, v)
+    if knows_r or colluders:
+        neighbour = -x  # R known (or revealed by the colluders): the sign shows; distance 2 tau
+    elif vectorized or r == 1:
+        neighbour = np.zeros_like(x)  # only the norm shows
+    else:
+        neighbour = tau * np.outer(_unit(rng, m, orthogonal_to=u), v2)  # another row space
+    messages = {1: {ENTRY: torch.from_numpy(x).float()}, 0: {ENTRY: torch.from_numpy(neighbour).float()}}
+    noiseless = replace(mechanism, noise_multiplier=0.0)
+    helpers = replace(mechanism, noise_multiplier=mechanism.noise_multiplier / math.sqrt(max(colluders, 1)))
+    noise = torch.Generator().manual_seed(seed)
+    sketch_seed = int(rng.integers(2 ** 62))
+    observed = {1: [], 0: []}
+    for trial in range(trials):
+        for member in (1, 0):
+            key = SketchKey(sketch_seed, 2 * trial + member)  # a fresh R every release
+            y = mechanism.privatize(messages[member], key=key, noise=noise)[ENTRY].double()
+            if knows_r:  # the likelihood ratio of N(M(X), s^2) vs N(-M(X), s^2); M odd, so M(-X) = -M(X)
+                observed[member].append(float((y * noiseless.privatize(messages[1], key=key)[ENTRY].double()).sum()))
+            else:
+                rows = y.reshape(y.shape[0], -1).numpy()
+                if colluders:
+                    known = helpers.privatize(messages[1], key=key, noise=noise)[ENTRY].double()
+                    rows = np.concatenate([rows, known.reshape(known.shape[0], -1).numpy()], axis=1)
+                observed[member].append(rows)
+    if knows_r:
+        scores = {h: np.asarray(s) for h, s in observed.items()}
+        attack = "likelihood ratio, R known"
+    else:
+        scores = _covariance_scores(observed, x, neighbour, vectorized=vectorized, colluders=colluders,
+                                    sketch_dim=mechanism.sketch.dim, sigma=mechanism.noise_std, tau=tau)
+        attack = "covariance likelihood ratio, R secret" + (f", {colluders} colluding clients" if colluders else "")
+    accountant, claimed = _accountant(mechanism, rank=r, clients_per_round=1 if knows_r else clients_per_round,
+                                      delta=delta)
+    bound = epsilon_lower_bound(scores[1], scores[0], delta=delta, confidence=confidence, seed=seed)
+    return summarize(mechanism_name(mechanism, 1 if knows_r else clients_per_round), "mechanism", scores[1],
+                     scores[0], threat_model=mechanism.threat_model.value, attack=attack, empirical_epsilon=bound,
+                     empirical_kind=f"lower bound at {confidence:.0%} confidence, Clopper-Pearson",
+                     accountant=accountant, delta=delta, noise_multiplier=mechanism.noise_multiplier,
+                     claimed=claimed, seconds=time.perf_counter() - started)
+
+
+def _covariance_scores(observed: dict, x: np.ndarray, neighbour: np.ndarray, *, vectorized: bool, colluders: int,
+                       sketch_dim: int, sigma: float, tau: float) -> dict[int, np.ndarray]:
+    """The Gaussian log-likelihood ratio of each release's sketch rows (up to a constant):
+    0.5 sum_i y_i^T (S0^-1 - S1^-1) y_i, with S = G^T G / b + noise covariance. Without noise S is
+    singular; a variance far below float32 resolution stands in for zero."""
+    floor = 1e-10 * tau ** 2 / sketch_dim
+
+    def covariance(target: np.ndarray) -> np.ndarray:
+        g = _sketched_form(target, vectorized)
+        noise = [sigma ** 2] * g.shape[1]
+        if colluders:
+            g = np.concatenate([g, _sketched_form(x, vectorized)], axis=1)
+            noise += [sigma ** 2 / colluders] * (g.shape[1] - len(noise))
+        return g.T @ g / sketch_dim + np.diag(np.maximum(noise, floor))
+
+    form = np.linalg.inv(covariance(neighbour)) - np.linalg.inv(covariance(x))
+    return {h: 0.5 * np.einsum("tbi,ij,tbj->t", np.stack(rows), form, np.stack(rows)) for h, rows in observed.items()}
+
+
+def _accountant(mechanism: Mechanism, *, rank: int, clients_per_round: int, delta: float) -> tuple[float, float | None]:
+    """The accountant's epsilon for one release without sampling (replace-one, as for the run's fixed-size
+    sampling), and the paper's per-message epsilon where the sketch is secret and shared."""
+    sampling = SamplingScheme("fixed", clients_per_round, clients_per_round=clients_per_round)
+
+    def of(n: int) -> float:
+        release = mechanism.release(rank=rank, clients_per_round=n, dense=False)
+        return accountant_epsilon([Phase("audit", release, sampling, 1)], delta=delta,
+                                  threat_model=mechanism.threat_model.value, allow_unsound_per_message=n == 1).epsilon
+
+    ours = of(clients_per_round)
+    shared_secret = mechanism.private and clients_per_round > 1 and not isinstance(mechanism.sketch, NoSketch)
+    return ours, of(1) if shared_secret and mechanism.threat_model is ThreatModel.SECRET_SKETCH else None
+
+
+# -- federation level (canaries) --------------------------------------------------------------------
+def model_view(protocol, state, template: dict[str, torch.Tensor], entries: list[str]) -> np.ndarray:
+    """What a round's global state means in full space, as one vector over the canaries' ``entries``:
+    de-sketched with its release's R (as clients do), B A per layer for FlexLoRA (whose factors the SVD
+    redistribution rotates), the entries themselves otherwise."""
+    from fedlora.federation import DENSE
+
+    message = state.message
+    if state.produced_by != DENSE:
+        message = protocol.mechanism.desketch(message, key=protocol.key(state.produced_by),
+                                              shapes={n: tuple(t.shape) for n, t in template.items()})
+    return _flat(message, entries, flex=protocol.mode is LoRAMode.FLEX)
+
+
+def canary_signature(protocol, message: dict[str, torch.Tensor]) -> np.ndarray:
+    """A canary's message in the same full-space form as ``model_view``."""
+    return _flat(message, list(message), flex=protocol.mode is LoRAMode.FLEX)
+
+
+def _flat(message: dict[str, torch.Tensor], entries: list[str], *, flex: bool) -> np.ndarray:
+    parts = []
+    for name in sorted(entries):
+        if flex and side_of(name) is Side.RIGHT:
+            continue  # inside its layer's product
+        t = message[name].double()
+        if flex and side_of(name) is Side.LEFT:
+            a = message[f"{name.rsplit('.', 1)[0]}.lora_A"].double()
+            t = t[:, :a.shape[0]] @ a
+        parts.append(t.reshape(-1).numpy())
+    return np.concatenate(parts)
+
+
+def canary_scores(views: np.ndarray, signatures: np.ndarray) -> np.ndarray:
+    """Each canary's largest cosine with a round's update of the global model (rows of ``views`` are the
+    states before round 1, after round 1, ..., after round T): every round's aggregate is released."""
+    updates = np.diff(views, axis=0)
+    updates /= np.maximum(np.linalg.norm(updates, axis=1, keepdims=True), 1e-300)
+    unit = signatures / np.linalg.norm(signatures, axis=1, keepdims=True)
+    return (unit @ updates.T).max(axis=1)

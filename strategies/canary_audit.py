@@ -1,0 +1,99 @@
+"""The federation-level privacy audit (Andrew et al. 2024): a real run of the fedlora ServerApp and ClientApp,
+in process, in which the last ``canaries`` partitions are canary clients. The math is in fedlora.audit."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from flwr.app import Context, RecordDict
+from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
+
+from clients.app import app as client_app
+from clients.app import canary_train
+from fedlora.audit import AuditResult, canary_epsilon, canary_scores, canary_signature, model_view, summarize
+from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
+from fedlora.federation import GlobalState, Protocol, derive_seed
+from strategies.inprocess_grid import InProcessGrid
+from strategies.server_app import run_federation
+
+MIN_CANARIES = 100
+NULL_CANARIES = 1000  # directions never inserted beyond one per canary: the null scores (free: nobody sends them)
+
+
+class CanaryGrid(InProcessGrid):
+    """Partitions in ``canaries`` answer with their canary; every state the server broadcasts is recorded."""
+
+    def __init__(self, run_config: dict, canaries: dict[int, dict]):
+        super().__init__(self._client, int(run_config["num-clients"]), run_config)
+        self.canaries = canaries
+        self.broadcasts: dict[int, GlobalState] = {}  # round -> the global state its clients start from
+
+    def _client(self, message, context):
+        if message.metadata.message_type == "train":
+            config = message.content["config"]
+            self.broadcasts[int(config["server-round"])] = GlobalState(
+                dict(message.content["arrays"].to_torch_state_dict()), int(config["produced-by"]))
+            if context.node_config["partition-id"] in self.canaries:
+                return canary_train(message, context, self.canaries[context.node_config["partition-id"]])
+        return client_app(message, context)
+
+
+def _unit_direction(shapes: dict[str, tuple[int, ...]], generator: torch.Generator) -> dict[str, torch.Tensor]:
+    parts = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    norm = math.sqrt(sum(float(t.pow(2).sum()) for t in parts.values()))
+    return {name: t / norm for name, t in parts.items()}
+
+
+def check_canary_audit(config: RunConfig, canaries: int) -> None:
+    """Every reason the canary audit cannot run, before anything starts (one sentence each)."""
+    problems = []
+    if not MIN_CANARIES <= canaries < config.num_clients:
+        problems.append(f"Canaries must number at least {MIN_CANARIES} (fewer leave the estimate to chance) and "
+                        f"fewer than num-clients ({config.num_clients}), got {canaries}.")
+    if config.head == "probe":
+        problems.append('The canary audit needs one message shape for every round: use head = "message" or '
+                        '"frozen", not "probe".')
+    if config.client_ranks:
+        problems.append("The canary audit needs one rank for every client: leave client-ranks empty.")
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=print) -> AuditResult:
+    """Runs the configured federation with the last ``canaries`` partitions as canaries; scores them."""
+    check_canary_audit(config, canaries)
+    started = time.perf_counter()
+    shapes_of = Protocol(config, 0.0)
+    template = shapes_of.initial_state(shapes_of.build_model()).message
+    shapes = shapes_of.expected_message(template, config.num_rounds, config.rank)
+    generator = torch.Generator().manual_seed(derive_seed(config.seed, "canaries"))
+    inserted = {p: _unit_direction(shapes, generator) for p in range(config.num_clients - canaries, config.num_clients)}
+    null = [_unit_direction(shapes, generator) for _ in range(canaries + NULL_CANARIES)]
+    run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir), SIMULATION_KEY: True}
+    grid = CanaryGrid(run_config, inserted)
+    flower = logging.getLogger(FLOWER_LOGGER)
+    level, _ = flower.level, flower.setLevel(logging.WARNING)  # the progress lines are ours; keep Flower's warnings
+    try:
+        strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                run_config=run_config), echo=echo)
+    finally:
+        flower.setLevel(level)
+    protocol = strategy.protocol
+    states = [grid.broadcasts[r] for r in sorted(grid.broadcasts)] + [strategy.state]
+    views = np.stack([model_view(protocol, s, template, list(shapes)) for s in states])
+    scores_in = canary_scores(views, np.stack([canary_signature(protocol, d) for d in inserted.values()]))
+    scores_null = canary_scores(views, np.stack([canary_signature(protocol, d) for d in null]))
+    accountant = strategy.ledger.report().epsilon if strategy.ledger is not None else math.inf
+    return summarize(f"{config.strategy} run, {canaries} canaries of {config.num_clients} clients, "
+                     f"{len(states) - 1} rounds", "federation", scores_in, scores_null,
+                     threat_model=config.threat_model, attack="largest cosine of a canary with a round's model "
+                     "update (Andrew et al. 2024)", empirical_epsilon=canary_epsilon(scores_in, scores_null, config.delta),
+                     empirical_kind="estimate, Gaussian fit (Andrew et al. 2024)", accountant=accountant,
+                     delta=config.delta, noise_multiplier=protocol.noise_multiplier,
+                     null_epsilon=canary_epsilon(scores_null[:canaries], scores_null[canaries:], config.delta),
+                     seconds=time.perf_counter() - started)

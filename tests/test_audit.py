@@ -1,0 +1,175 @@
+"""The privacy audit: its statistics against closed forms, the mechanism audit's attacks against theory, the canary
+run end to end, and `fedlora audit`."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+
+from fedlora.audit import (audit_mechanism, canary_epsilon, canary_scores, canary_signature, epsilon_lower_bound,
+                           gaussian_pair_epsilon, roc_auc, tpr_at_fpr)
+from fedlora.cli import main
+from fedlora.config import load_config
+from fedlora.federation import Protocol
+from fedlora.mechanisms import Mechanism, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
+from fedlora.sketch import MatrixSketch
+
+SMALL = (32, 2)
+
+
+# -- statistics -------------------------------------------------------------------------------------
+def test_auc_and_tpr_at_fpr_of_known_samples():
+    assert roc_auc(np.array([2.0, 3.0]), np.array([0.0, 1.0])) == 1.0
+    assert roc_auc(np.array([0.0, 1.0]), np.array([2.0, 3.0])) == 0.0
+    assert roc_auc(np.array([1.0, 1.0]), np.array([1.0, 1.0])) == 0.5
+    others = np.arange(100.0)  # threshold at FPR 10%: 90
+    assert tpr_at_fpr(np.array([95.0, 91.0, 50.0, 10.0]), others, 0.1) == 0.5
+
+
+def test_gaussian_pair_epsilon_matches_the_gaussian_dp_closed_form():
+    # mu-GDP: delta(eps) = Phi(-eps / mu + mu / 2) - e^eps Phi(-eps / mu - mu / 2)
+    for mu in (0.5, 1.0, 2.0):
+        eps = gaussian_pair_epsilon((mu, 1.0), (0.0, 1.0), 1e-5)
+        delta = stats.norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * stats.norm.cdf(-eps / mu - mu / 2)
+        assert delta == pytest.approx(1e-5, rel=1e-3)
+    assert gaussian_pair_epsilon((1.0, 1.0), (0.0, 1.0), 1e-5) == pytest.approx(4.377, abs=1e-3)
+    assert gaussian_pair_epsilon((0.0, 1.0), (0.0, 1.0), 1e-5) == 0.0
+    assert gaussian_pair_epsilon((0.0, 1.3), (0.0, 1.0), 1e-5) > 0  # a variance alone tells them apart
+    assert gaussian_pair_epsilon((100.0, 1.0), (0.0, 1.0), 1e-5) == math.inf
+
+
+def test_lower_bound_is_zero_for_one_distribution_and_capped_by_the_trials():
+    rng = np.random.default_rng(0)
+    same = epsilon_lower_bound(rng.normal(size=4000), rng.normal(size=4000), delta=1e-5)
+    assert same < 0.3
+    apart = epsilon_lower_bound(np.full(2000, 1.0), np.zeros(2000), delta=1e-5)
+    assert 5.0 < apart < math.log(1000)  # 1000 held-out trials per side cannot certify more than ln 1000
+
+
+# -- mechanism level --------------------------------------------------------------------------------
+def test_the_noise_free_sketch_is_caught():
+    """Paper 001, Prop. 2 / App. F.1: a secret sketch without noise is not private (AUC > 0.99)."""
+    result = audit_mechanism(Mechanism(MatrixSketch(16), 1.0, 0.0, "secret-sketch"), shape=SMALL, trials=500)
+    assert result.auc > 0.99 and result.tpr_at_fpr_0_01 > 0.99
+    assert result.accountant_epsilon == math.inf and result.empirical_epsilon > 4
+    assert "covariance" in result.attack
+
+
+def test_gaussian_mechanism_lower_bound_stays_below_its_known_epsilon_and_the_attack_is_optimal():
+    z = 2.0
+    result = audit_mechanism(gaussian_mechanism(clip_norm=1.0, noise_multiplier=z), shape=SMALL, trials=3000)
+    assert 0 < result.empirical_epsilon < result.accountant_epsilon
+    # the likelihood ratio test of N(X, s^2) vs N(-X, s^2), ||2 X|| = 2 tau: AUC = Phi(mu / sqrt 2), mu = 2 / z
+    assert result.auc == pytest.approx(stats.norm.cdf(2 / z / math.sqrt(2)), abs=0.02)
+
+
+def test_secret_vector_sketch_covariance_statistic_is_the_likelihood_ratio():
+    """SGMV with a secret R: releases of X (norm tau) are N(0, (tau^2 / h + s^2) I_h), of 0 are N(0, s^2 I_h);
+    the likelihood ratio test has AUC P(F(h, h) > 1 / kappa), kappa = 1 + tau^2 / (h s^2)."""
+    h, z = 16, 0.25
+    result = audit_mechanism(sgmv_mechanism(sketch_dim=h, clip_norm=1.0, noise_multiplier=z,
+                                            threat_model="secret-sketch"), shape=SMALL, trials=2000)
+    kappa = 1 + 1 / (h * z * z)
+    assert result.auc == pytest.approx(stats.f.sf(1 / kappa, h, h), abs=0.02)
+
+
+def test_colluding_clients_refute_the_papers_per_message_epsilon_not_ours():
+    """Sixty-four clients share a secret R: those the attacker knows reveal R X. The paper's per-message epsilon
+    is exceeded by a 95% lower bound; fedlora's joint-release bound is not."""
+    mechanism = sgmm_mechanism(sketch_dim=150, clip_norm=1.0, noise_multiplier=0.8, threat_model="secret-sketch")
+    result = audit_mechanism(mechanism, shape=(192, 4), trials=3000, clients_per_round=64)
+    assert result.claimed_epsilon is not None
+    assert result.claimed_epsilon < result.empirical_epsilon < result.accountant_epsilon
+
+
+def test_the_audit_is_reproducible_from_its_seed():
+    mechanism = sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=1.0)
+    first, again = (audit_mechanism(mechanism, shape=SMALL, trials=300, seed=5).to_json() for _ in range(2))
+    other = audit_mechanism(mechanism, shape=SMALL, trials=300, seed=6).to_json()
+    first.pop("seconds"), again.pop("seconds"), other.pop("seconds")
+    assert first == again
+    assert first["auc"] != other["auc"]
+
+
+def test_audit_refuses_bad_input():
+    with pytest.raises(ValueError, match="clip norm"):
+        audit_mechanism(Mechanism(), shape=SMALL)
+    with pytest.raises(ValueError, match="at least 100 trials"):
+        audit_mechanism(gaussian_mechanism(clip_norm=1.0, noise_multiplier=1.0), shape=SMALL, trials=10)
+
+
+# -- federation level -------------------------------------------------------------------------------
+def test_canary_scores_find_an_inserted_direction():
+    rng = np.random.default_rng(0)
+    d = 2000
+    inserted, null = rng.normal(size=(50, d)), rng.normal(size=(1300, d))
+    views = np.cumsum(rng.normal(size=(4, d)), axis=0)
+    views[2:] += inserted.sum(axis=0) / 5  # every inserted canary enters the update of round 2
+    scores_in, scores_null = canary_scores(views, inserted), canary_scores(views, null)
+    assert roc_auc(scores_in, scores_null) > 0.99
+    assert canary_epsilon(scores_in, scores_null, 1e-5) > 3
+    assert canary_epsilon(scores_null[:300], scores_null[300:], 1e-5) < 1.0  # nothing inserted: near 0
+
+
+def test_flex_canary_signature_is_the_adapter_product():
+    config = load_config(None, ["strategy=flexlora"])
+    b, a = torch.randn(6, 2), torch.randn(2, 5)
+    head = torch.randn(3)
+    signature = canary_signature(Protocol(config, 0.0), {"x.lora_B": b, "x.lora_A": a, "head.weight": head})
+    assert np.allclose(signature, np.concatenate([head.double().numpy(), (b.double() @ a.double()).reshape(-1).numpy()]))
+
+
+def _canary_config(strategy: str):
+    return load_config(None, [f"strategy={strategy}", "num-clients=120", "clients-per-round=20", "num-rounds=3",
+                              "train-examples=1200", "test-examples=200", "eval-every=3", "local-steps=2"])
+
+
+def test_canary_run_catches_a_non_private_strategy(tmp_path):
+    from strategies.canary_audit import audit_federation
+
+    result = audit_federation(_canary_config("ffa-lora"), 100, tmp_path / "run", echo=lambda line: None)
+    assert result.level == "federation" and result.trials == 100
+    assert result.auc > 0.7 and result.accountant_epsilon == math.inf
+    assert (tmp_path / "run" / "metrics.jsonl").is_file()  # a real run, with its run directory
+
+
+def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_path):
+    from strategies.canary_audit import audit_federation
+
+    config = _canary_config("sgmm-ffa-lora")
+    result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])  # the run's own ledger
+    assert result.accountant_epsilon <= config.target_epsilon
+    assert result.empirical_epsilon < result.accountant_epsilon
+
+
+# -- the command line -------------------------------------------------------------------------------
+def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
+    code = main(["audit", "--json", "--trials", "200", "--canaries", "100", "--out", str(tmp_path / "a"),
+                 "--set", "num-clients=120", "--set", "clients-per-round=20", "--set", "num-rounds=2",
+                 "--set", "train-examples=1200", "--set", "test-examples=200", "--set", "local-steps=2"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    for result in (printed, printed["federation"]):
+        for key in ("auc", "tpr_at_fpr_0.01", "tpr_at_fpr_0.1", "empirical_epsilon", "accountant_epsilon",
+                    "threat_model"):
+            assert key in result
+    assert printed["threat_model"] == "known-sketch" and printed["strategy"] == "sgmm-ffa-lora"
+    assert json.loads((tmp_path / "a" / "audit.json").read_text()) == printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--canaries", "5"], "Canaries must number at least 100"),
+    (["--canaries", "100", "--set", "head=probe"], 'use head = "message"'),
+    (["--set", "strategy=nope"], "strategy must be one of"),
+    (["--set", "target-epsilon=0.001"], "unreachable"),
+])
+def test_fedlora_audit_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
+    assert main(["audit", "--trials", "200", "--out", str(tmp_path / "a"), *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+    assert not (tmp_path / "a").exists()
