@@ -76,30 +76,39 @@ def epsilon_lower_bound(members: np.ndarray, others: np.ndarray, *, delta: float
                         seed: int = 0) -> float:
     """An epsilon that the mechanism exceeds with probability at least ``confidence``, or 0.
 
-    Any (epsilon, delta)-DP mechanism has TPR <= e^epsilon FPR + delta for every test (and the same with
-    the roles swapped). The test (a threshold, and which side counts as member) is chosen on one half of
-    the trials; its TPR and FPR are bounded with Clopper-Pearson on the other half, each bound at
+    Any (epsilon, delta)-DP mechanism has TPR <= e^epsilon FPR + delta for every test, with either
+    hypothesis as the positive one. The test (which hypothesis is positive, a threshold and its side) is
+    chosen on one half of the trials; its TPR and FPR are bounded with Clopper-Pearson on the other half, each bound at
     (1 - confidence) / 2, so choosing the test costs no confidence.
     """
     rng = np.random.default_rng(seed)
-    m, o = rng.permutation(members), rng.permutation(others)
-    (m_pick, m_eval), (o_pick, o_eval) = np.array_split(m, 2), np.array_split(o, 2)
+    halves = {name: np.array_split(rng.permutation(sample), 2) for name, sample in (("m", members), ("o", others))}
     level = (1 - confidence) / 2
     best, choice = -np.inf, None
-    for side in (1, -1):  # members high, or members low
-        pos, neg = side * m_pick, side * o_pick
-        thresholds = np.unique(np.concatenate([pos, neg]))
-        tp, fp = _counts(pos, neg, thresholds)
-        eps = _epsilons(tp, len(pos), fp, len(neg), delta, level)
-        i = int(np.argmax(eps))
-        if eps[i] > best:
-            best, choice = eps[i], (side, thresholds[i])
-    side, threshold = choice
-    tp, fp = _counts(side * m_eval, side * o_eval, np.array([threshold]))
-    return max(0.0, float(_epsilons(tp, len(m_eval), fp, len(o_eval), delta, level)[0]))
+    # a test: which sample plays "positive" (DP bounds both ways round) and which side of the threshold it is on
+    for positive, negative in (("m", "o"), ("o", "m")):
+        for side in (1, -1):
+            pos, neg = side * halves[positive][0], side * halves[negative][0]
+            thresholds = np.unique(np.concatenate([pos, neg]))
+            tp, fp = _counts(pos, neg, thresholds)
+            eps = _epsilons(tp, len(pos), fp, len(neg), delta, level)
+            i = int(np.argmax(eps))
+            if eps[i] > best:
+                best, choice = eps[i], (positive, negative, side, thresholds[i])
+    positive, negative, side, threshold = choice
+    pos, neg = side * halves[positive][1], side * halves[negative][1]
+    tp, fp = _counts(pos, neg, np.array([threshold]))
+    return max(0.0, float(_epsilons(tp, len(pos), fp, len(neg), delta, level)[0]))
 
 
 # -- epsilon of two Gaussians (the canary estimate) -------------------------------------------------
+def _probability(lo: float, hi: float, mean: float, std: float) -> float:
+    """P(lo < X < hi) for X ~ N(mean, std^2), from the nearer tail so that far tails keep their precision."""
+    if lo >= mean:
+        return stats.norm.sf(lo, mean, std) - stats.norm.sf(hi, mean, std)
+    return stats.norm.cdf(hi, mean, std) - stats.norm.cdf(lo, mean, std)
+
+
 def _gaussian_delta(eps: float, p: tuple[float, float], q: tuple[float, float]) -> float:
     """sup_S P(S) - e^eps Q(S) for P = N(p), Q = N(q) (mean, std): S is where log p/q > eps, a quadratic."""
     (m1, s1), (m0, s0) = p, q
@@ -108,8 +117,7 @@ def _gaussian_delta(eps: float, p: tuple[float, float], q: tuple[float, float]) 
     c = m0 ** 2 / (2 * s0 ** 2) - m1 ** 2 / (2 * s1 ** 2) + math.log(s0 / s1) - eps
 
     def mass(lo: float, hi: float) -> float:
-        return (stats.norm.cdf(hi, m1, s1) - stats.norm.cdf(lo, m1, s1)
-                - math.exp(eps) * (stats.norm.cdf(hi, m0, s0) - stats.norm.cdf(lo, m0, s0)))
+        return _probability(lo, hi, m1, s1) - math.exp(eps) * _probability(lo, hi, m0, s0)
 
     if abs(a) < 1e-12 * max(1.0, abs(b)):  # equal variances: a half line
         if b == 0:
@@ -145,6 +153,9 @@ def gaussian_pair_epsilon(p: tuple[float, float], q: tuple[float, float], delta:
 
 def canary_epsilon(inserted: np.ndarray, null: np.ndarray, delta: float) -> float:
     """Andrew et al.'s estimate: epsilon between Gaussians fitted to the inserted and the null canary scores."""
+    for scores in (inserted, null):
+        if len(scores) < 2 or not np.all(np.isfinite(scores)) or not np.std(scores) > 0:
+            raise ValueError("Canary scores must be at least two finite values that are not all equal.")
     return gaussian_pair_epsilon((float(np.mean(inserted)), float(np.std(inserted, ddof=1))),
                                  (float(np.mean(null)), float(np.std(null, ddof=1))), delta)
 
@@ -343,7 +354,9 @@ def _flat(message: dict[str, torch.Tensor], entries: list[str], *, flex: bool) -
         t = message[name].double()
         if flex and side_of(name) is Side.LEFT:
             a = message[f"{name.rsplit('.', 1)[0]}.lora_A"].double()
-            t = t[:, :a.shape[0]] @ a
+            if t.shape[1] != a.shape[0]:
+                raise ValueError(f"'{name}' has rank {t.shape[1]} but its A has rank {a.shape[0]}.")
+            t = t @ a
         parts.append(t.reshape(-1).numpy())
     return np.concatenate(parts)
 

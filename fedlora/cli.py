@@ -327,13 +327,15 @@ def audit(args: argparse.Namespace) -> dict:
     from fedlora.audit import audit_mechanism
     from fedlora.config import AUDIT_PRESET, load_config
     from fedlora.experiment import check_before_start, noise_for
-    from strategies.canary_audit import audit_federation, check_canary_audit
+    from strategies.canary_audit import MIN_CANARIES, audit_federation, check_canary_audit
 
     preset = [] if args.config else [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
     config = load_config(args.config, preset + args.set)
     if config.sketch_secret == "node-file":
         raise CLIError('The audit simulates the clients: use sketch-secret = "run-seed".')
     canaries = min(300, config.num_clients * 3 // 4) if args.canaries is None else args.canaries
+    if args.canaries is None and canaries < MIN_CANARIES:  # too few clients for the run: the mechanism level only
+        canaries = 0
     if canaries:
         check_canary_audit(config, canaries)
     check_before_start(config)
@@ -353,7 +355,9 @@ def audit(args: argparse.Namespace) -> dict:
         mechanism, shape=(m, config.rank), trials=args.trials, delta=config.delta, seed=config.seed,
         clients_per_round=config.clients_per_round).to_json(), "federation": None}
     say(_audit_lines(result))
-    if canaries:
+    if not canaries:
+        say(f"federation level: skipped ({'--canaries 0' if args.canaries == 0 else f'{config.num_clients} clients are too few for {MIN_CANARIES} canaries'})")
+    else:
         say(f"federation level: {config.num_rounds} rounds of {config.strategy}, {canaries} of {config.num_clients} "
             f"clients are canaries, {config.clients_per_round} clients per round ...")
         result["federation"] = audit_federation(config, canaries, out_dir / "run", echo=say).to_json()
@@ -365,7 +369,7 @@ def audit(args: argparse.Namespace) -> dict:
 
 
 def _epsilon_text(value: float | None) -> str:
-    return "inf (not private)" if value is None else f"{value:.3f}"
+    return "inf" if value is None else f"{value:.3f}"
 
 
 def _audit_lines(r: dict) -> str:
@@ -434,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--trials", type=_positive, default=5000, help="releases per hypothesis at the mechanism level "
                                                                     "(default 5000)")
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
-                                                               "clients, at most 300; 0 skips the run)")
+                                                               "clients, at most 300, none if that is under 100; "
+                                                               "0 skips the run)")
     au.add_argument("--out", help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -41,6 +41,58 @@ def test_gaussian_pair_epsilon_matches_the_gaussian_dp_closed_form():
     assert gaussian_pair_epsilon((100.0, 1.0), (0.0, 1.0), 1e-5) == math.inf
 
 
+def test_gaussian_pair_epsilon_with_unequal_variances_and_far_tails():
+    from scipy import integrate
+
+    from fedlora.audit import _gaussian_delta
+
+    for p, q in (((0.5, 1.3), (0.0, 1.0)), ((0.0, 1.0), (0.5, 1.3)), ((1.0, 0.7), (0.0, 1.0))):
+        def excess(x):
+            return max(0.0, stats.norm.pdf(x, *p) - math.exp(2.0) * stats.norm.pdf(x, *q))
+        numeric = integrate.quad(excess, -40, 40, points=[-5, 0, 5], limit=500)[0]
+        assert _gaussian_delta(2.0, p, q) == pytest.approx(numeric, rel=1e-6)
+    mu = 12.0  # far in the tails: the mu-GDP closed form in log space
+    eps = gaussian_pair_epsilon((mu, 1.0), (0.0, 1.0), 1e-5)
+    delta = math.exp(stats.norm.logcdf(-eps / mu + mu / 2)) - math.exp(eps + stats.norm.logcdf(-eps / mu - mu / 2))
+    assert delta == pytest.approx(1e-5, rel=1e-3)
+
+
+def test_lower_bound_finds_members_scored_low_and_either_hypothesis_as_positive():
+    low = epsilon_lower_bound(np.zeros(2000), np.ones(2000), delta=1e-5)
+    assert low > 5.0
+    rng = np.random.default_rng(1)  # members spread wide, others narrow: the others' side is the informative one
+    wide = epsilon_lower_bound(rng.normal(size=4000) * 5, rng.normal(size=4000) * 0.01, delta=1e-5)
+    assert wide > 1.0
+
+
+def test_covariance_statistic_is_the_gaussian_log_likelihood_ratio():
+    from fedlora.audit import _covariance_scores
+
+    rng = np.random.default_rng(2)
+    b, sigma = 8, 0.7
+    x, neighbour = rng.normal(size=(5, 2)), rng.normal(size=(5, 2))
+    rows = {1: [rng.normal(size=(b, 4)) for _ in range(3)], 0: [rng.normal(size=(b, 4)) for _ in range(3)]}
+    scores = _covariance_scores(rows, x, neighbour, vectorized=False, colluders=3, sketch_dim=b, sigma=sigma, tau=1.0)
+
+    def covariance(target):
+        g = np.concatenate([target, x], axis=1)  # the target, then the colluders' mean (noise sigma^2 / 3)
+        return g.T @ g / b + np.diag([sigma ** 2] * 2 + [sigma ** 2 / 3] * 2)
+
+    exact = {h: np.array([stats.multivariate_normal(np.zeros(4), covariance(x)).logpdf(y).sum()
+                          - stats.multivariate_normal(np.zeros(4), covariance(neighbour)).logpdf(y).sum()
+                          for y in rows[h]]) for h in rows}
+    offset = exact[1][0] - scores[1][0]  # equal up to the log-determinant constant
+    for h in (1, 0):
+        assert np.allclose(scores[h] + offset, exact[h])
+
+
+def test_canary_epsilon_refuses_degenerate_scores():
+    with pytest.raises(ValueError, match="finite"):
+        canary_epsilon(np.ones(10), np.random.default_rng(0).normal(size=10), 1e-5)
+    with pytest.raises(ValueError, match="finite"):
+        canary_epsilon(np.array([np.nan, 1.0]), np.random.default_rng(0).normal(size=10), 1e-5)
+
+
 def test_lower_bound_is_zero_for_one_distribution_and_capped_by_the_trials():
     rng = np.random.default_rng(0)
     same = epsilon_lower_bound(rng.normal(size=4000), rng.normal(size=4000), delta=1e-5)
