@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.audit import audit_mechanism
+from fedlora.audit import audit_mechanism, verdict
 from fedlora.config import AUDIT_PRESET, load_config
 from fedlora.mechanisms import Mechanism, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
 from fedlora.sketch import MatrixSketch
@@ -61,14 +61,8 @@ def _eps(value: float | None) -> str:
 
 
 def _verdict(r: dict) -> str:
-    acct, emp = r["accountant_epsilon"], r["empirical_epsilon"]
-    if not r["empirical_kind"].startswith("lower bound"):
-        return "estimate"
-    if acct is not None and emp > acct:
-        return "**accountant refuted**"
-    if r.get("claimed_epsilon") is not None and emp > r["claimed_epsilon"]:
-        return f"**paper's claim {r['claimed_epsilon']:.2f} refuted**"
-    return "holds" if acct is not None else "not private, as reported"
+    text = verdict(r)
+    return f"**{text}**" if "refuted" in text else text
 
 
 def _plot(results: list[dict], path: Path) -> None:

@@ -28,6 +28,7 @@ Pure NumPy/torch: no Flower here (the canary run's glue is in ``strategies.canar
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -182,15 +183,24 @@ class AuditResult:
     null_epsilon: float | None = None  # canaries: the same estimate with nothing inserted, its noise floor
     seconds: float = 0.0
 
-    @property
-    def violated(self) -> bool:
-        """Whether the attack proves the accountant's epsilon wrong (a lower bound above it)."""
-        return self.empirical_kind.startswith("lower bound") and self.empirical_epsilon > self.accountant_epsilon
-
     def to_json(self) -> dict:
         out = asdict(self)
         out["tpr_at_fpr_0.01"], out["tpr_at_fpr_0.1"] = out.pop("tpr_at_fpr_0_01"), out.pop("tpr_at_fpr_0_1")
         return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in out.items()}  # null: infinite
+
+
+def verdict(result: dict) -> str:
+    """What an audit (its JSON form) says about the claims: only a lower bound can refute one."""
+    empirical, accountant, claimed = result["empirical_epsilon"], result["accountant_epsilon"], result["claimed_epsilon"]
+    if not result["empirical_kind"].startswith("lower bound"):
+        return "an estimate: it cannot refute the accountant"
+    if accountant is None:
+        return "not private, as the accountant says"
+    if empirical > accountant:
+        return "the accountant is refuted"
+    if claimed is not None and empirical > claimed:
+        return f"the accountant holds; the paper's per-message epsilon {claimed:.2f} is refuted"
+    return "the accountant holds"
 
 
 def summarize(name: str, level: str, members: np.ndarray, others: np.ndarray, *, threat_model: str, attack: str,
@@ -236,8 +246,6 @@ def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), 
     messages the attacker knows. Their N - 1 releases enter as their mean, which is exactly distributed as
     one release with noise multiplier z / sqrt(N - 1): same information, one call instead of N - 1.
     """
-    import time
-
     if mechanism.clip_norm is None:
         raise ValueError("An audit needs a clip norm: the neighbouring messages sit at it.")
     if trials < 100:

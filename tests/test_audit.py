@@ -225,3 +225,16 @@ def test_fedlora_audit_bad_input_is_one_line_and_exit_2(argv, message, tmp_path,
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "a").exists()
+
+
+def test_verdict_only_lets_a_lower_bound_refute():
+    from fedlora.audit import verdict
+
+    bound = {"empirical_kind": "lower bound at 95% confidence", "claimed_epsilon": None}
+    assert verdict({**bound, "empirical_epsilon": 3.0, "accountant_epsilon": 2.0}) == "the accountant is refuted"
+    assert verdict({**bound, "empirical_epsilon": 1.0, "accountant_epsilon": 2.0}) == "the accountant holds"
+    assert "1.68 is refuted" in verdict({**bound, "empirical_epsilon": 3.3, "accountant_epsilon": 40.7,
+                                         "claimed_epsilon": 1.68})
+    assert verdict({**bound, "empirical_epsilon": 7.2, "accountant_epsilon": None}).startswith("not private")
+    estimate = {"empirical_kind": "estimate, Gaussian fit", "claimed_epsilon": None}
+    assert "cannot refute" in verdict({**estimate, "empirical_epsilon": 9.0, "accountant_epsilon": 8.0})
