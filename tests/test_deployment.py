@@ -116,7 +116,7 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
     assert rows[-1]["threat_model"] == "known-sketch" and (tmp_path / "run" / "adapter").is_dir()
-    deadline = time.time() + 30  # killed SuperNodes' SuperExecs notice their parent is gone and exit
+    deadline = time.time() + 60  # killed SuperNodes' SuperExecs notice their parent is gone and exit
     while leftover_flower_processes() and time.time() < deadline:
         time.sleep(1)
     assert not leftover_flower_processes()
