@@ -112,7 +112,8 @@ def train(msg: Message, context: Context) -> Message:
 
 def canary_train(msg: Message, context: Context, direction: dict) -> Message:
     """A canary client of the privacy audit (fedlora.audit): instead of training, it sends its fixed unit
-    ``direction`` scaled to the clip norm, through the round's mechanism like any client."""
+    ``direction`` (zero for a canary left out) scaled to the clip norm, through the round's mechanism like any
+    client."""
     config, protocol, node = round_setup(msg, context)
     round_config = msg.content["config"]
     round_, release = int(round_config["server-round"]), int(round_config["release"])

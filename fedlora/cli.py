@@ -382,8 +382,9 @@ def _audit_lines(r: dict) -> str:
              f"  empirical epsilon {_epsilon_text(r['empirical_epsilon'])} ({r['empirical_kind']}); accountant "
              f"epsilon {_epsilon_text(r['accountant_epsilon'])} for {scope} at delta {r['delta']:g} "
              f"({r['threat_model']})"]
-    if r.get("null_epsilon") is not None:
-        lines.append(f"  with no canary inserted the same estimate gives {r['null_epsilon']:.3f} (its noise floor)")
+    if r.get("estimate_epsilon") is not None:
+        lines.append(f"  Andrew et al.'s estimate {_epsilon_text(r['estimate_epsilon'])} (a Gaussian fit, not a bound); "
+                     f"with no canary inserted it gives {_epsilon_text(r['null_epsilon'])} (its noise floor)")
     if r.get("claimed_epsilon") is not None:
         lines.append(f"  the paper's per-message analysis gives {r['claimed_epsilon']:.3f} for this release "
                      "(secret-sketch, ignoring the shared sketch)")

@@ -1,5 +1,6 @@
-"""The federation-level privacy audit (Andrew et al. 2024): a real run of the fedlora ServerApp and ClientApp,
-in process, in which the last ``canaries`` partitions are canary clients. The math is in fedlora.audit."""
+"""The federation-level privacy audit: a real run of the fedlora ServerApp and ClientApp, in process, in which
+the last ``canaries`` partitions are canary clients, each included with probability 1/2 (Andrew et al. 2024;
+Steinke, Nasr and Jagielski 2023). The math is in fedlora.audit."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
 from clients.app import app as client_app
 from clients.app import canary_train
-from fedlora.audit import AuditResult, canary_epsilon, canary_scores, canary_signature, model_view, summarize
+from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
+                           one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
 from fedlora.federation import GlobalState, Protocol, derive_seed
 from strategies.inprocess_grid import InProcessGrid
@@ -26,7 +28,8 @@ NULL_CANARIES = 1000  # directions never inserted beyond one per canary: the nul
 
 
 class CanaryGrid(InProcessGrid):
-    """Partitions in ``canaries`` answer with their canary; every state the server broadcasts is recorded."""
+    """Partitions in ``canaries`` answer with their canary message (zero for an excluded canary); every state the
+    server broadcasts is recorded."""
 
     def __init__(self, run_config: dict, canaries: dict[int, dict]):
         super().__init__(self._client, int(run_config["num-clients"]), run_config)
@@ -53,13 +56,16 @@ def check_canary_audit(config: RunConfig, canaries: int) -> None:
     """Every reason the canary audit cannot run, before anything starts (one sentence each)."""
     problems = []
     if not MIN_CANARIES <= canaries < config.num_clients:
-        problems.append(f"Canaries must number at least {MIN_CANARIES} (fewer leave the estimate to chance) and "
+        problems.append(f"Canaries must number at least {MIN_CANARIES} (fewer leave the audit to chance) and "
                         f"fewer than num-clients ({config.num_clients}), got {canaries}.")
     if config.head == "probe":
         problems.append('The canary audit needs one message shape for every round: use head = "message" or '
                         '"frozen", not "probe".')
     if config.client_ranks:
         problems.append("The canary audit needs one rank for every client: leave client-ranks empty.")
+    if config.sampling != "fixed":  # an excluded canary sends zero: a replaced message, not an absent client
+        problems.append('The canary audit compares with the replace-one accountant of fixed sampling: use sampling = '
+                        '"fixed".')
     if problems:
         raise ValueError("\n".join(problems))
 
@@ -72,10 +78,14 @@ def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=pr
     template = shapes_of.initial_state(shapes_of.build_model()).message
     shapes = shapes_of.expected_message(template, config.num_rounds, config.rank)
     generator = torch.Generator().manual_seed(derive_seed(config.seed, "canaries"))
-    inserted = {p: _unit_direction(shapes, generator) for p in range(config.num_clients - canaries, config.num_clients)}
+    directions = [_unit_direction(shapes, generator) for _ in range(canaries)]
     null = [_unit_direction(shapes, generator) for _ in range(canaries + NULL_CANARIES)]
+    # the coins: fixed before the run, and nothing that scores the canaries reads them
+    included = np.random.default_rng(derive_seed(config.seed, "canary-coins")).random(canaries) < 0.5
+    sent = {config.num_clients - canaries + i: d if coin else {n: torch.zeros_like(t) for n, t in d.items()}
+            for i, (d, coin) in enumerate(zip(directions, included))}
     run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir), SIMULATION_KEY: True}
-    grid = CanaryGrid(run_config, inserted)
+    grid = CanaryGrid(run_config, sent)
     flower = logging.getLogger(FLOWER_LOGGER)
     level, _ = flower.level, flower.setLevel(logging.WARNING)  # the progress lines are ours; keep Flower's warnings
     try:
@@ -86,14 +96,17 @@ def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=pr
     protocol = strategy.protocol
     states = [grid.broadcasts[r] for r in sorted(grid.broadcasts)] + [strategy.state]
     views = np.stack([model_view(protocol, s, template, list(shapes)) for s in states])
-    scores_in = canary_scores(views, np.stack([canary_signature(protocol, d) for d in inserted.values()]))
+    scores = canary_scores(views, np.stack([canary_signature(protocol, d) for d in directions]))
     scores_null = canary_scores(views, np.stack([canary_signature(protocol, d) for d in null]))
+    scores_in, inserted = scores[included], int(included.sum())
     accountant = strategy.ledger.report().epsilon if strategy.ledger is not None else math.inf
-    return summarize(f"{config.strategy} run, {canaries} canaries of {config.num_clients} clients, "
-                     f"{len(states) - 1} rounds", "federation", scores_in, scores_null,
-                     threat_model=config.threat_model, attack="largest cosine of a canary with a round's model "
-                     "update (Andrew et al. 2024)", empirical_epsilon=canary_epsilon(scores_in, scores_null, config.delta),
-                     empirical_kind="estimate, Gaussian fit (Andrew et al. 2024)", accountant=accountant,
-                     delta=config.delta, noise_multiplier=protocol.noise_multiplier,
-                     null_epsilon=canary_epsilon(scores_null[:canaries], scores_null[canaries:], config.delta),
+    return summarize(f"{config.strategy} run, {canaries} canaries ({inserted} included) of {config.num_clients} "
+                     f"clients, {len(states) - 1} rounds", "federation", scores_in, scores_null,
+                     threat_model=config.threat_model, attack="largest cosine of a canary with a round's model update",
+                     empirical_epsilon=one_run_lower_bound(scores, included, delta=config.delta),
+                     empirical_kind=f"lower bound at {CONFIDENCE:.0%} confidence, one run (Steinke, Nasr and "
+                     "Jagielski 2023)", accountant=accountant, delta=config.delta,
+                     noise_multiplier=protocol.noise_multiplier,
+                     estimate=canary_epsilon(scores_in, scores_null, config.delta),
+                     null_epsilon=canary_epsilon(scores_null[:inserted], scores_null[inserted:], config.delta),
                      seconds=time.perf_counter() - started)

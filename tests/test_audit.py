@@ -166,6 +166,34 @@ def test_canary_scores_find_an_inserted_direction():
     assert canary_epsilon(scores_null[:300], scores_null[300:], 1e-5) < 1.0  # nothing inserted: near 0
 
 
+def _randomized_response(eps: float, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Coins of m canaries and an eps-DP release of each: its coin, flipped with probability 1 / (1 + e^eps)."""
+    rng = np.random.default_rng(seed)
+    coins = rng.random(m) < 0.5
+    said = coins ^ (rng.random(m) < 1 / (1 + math.exp(eps)))
+    return said + 1e-3 * rng.random(m), coins  # the jitter only orders ties
+
+
+def test_one_run_bound_stays_below_a_known_epsilon_and_finds_most_of_it():
+    from fedlora.audit import one_run_lower_bound
+
+    bounds = [one_run_lower_bound(*_randomized_response(1.0, 4000, seed), delta=0.0) for seed in range(10)]
+    assert max(bounds) < 1.0 and min(bounds) > 0.6  # eps-DP randomized response is exactly 1-DP
+    assert one_run_lower_bound(*_randomized_response(0.0, 4000, 0), delta=0.0) < 0.2  # nothing to find
+
+
+def test_one_run_bound_grows_with_a_perfect_attack_and_its_delta_term_only_lowers_it():
+    from fedlora.audit import one_run_lower_bound
+
+    rng = np.random.default_rng(0)
+    coins = rng.random(1000) < 0.5
+    scores = coins + 1e-3 * rng.random(1000)  # the attacker is always right
+    strict, loose = one_run_lower_bound(scores, coins, delta=0.0), one_run_lower_bound(scores, coins, delta=1e-5)
+    assert 3.5 < strict < 4.5 and 3 < loose < strict  # 256 right guesses in a row certify no more than about 3.8
+    with pytest.raises(ValueError, match="one finite score and one coin per canary"):
+        one_run_lower_bound(scores, coins[:10], delta=0.0)
+
+
 def test_flex_canary_signature_is_the_adapter_product():
     config = load_config(None, ["strategy=flexlora"])
     b, a = torch.randn(6, 2), torch.randn(2, 5)
@@ -183,8 +211,9 @@ def test_canary_run_catches_a_non_private_strategy(tmp_path):
     from strategies.canary_audit import audit_federation
 
     result = audit_federation(_canary_config("ffa-lora"), 100, tmp_path / "run", echo=lambda line: None)
-    assert result.level == "federation" and result.trials == 100
-    assert result.auc > 0.7 and result.accountant_epsilon == math.inf
+    assert result.level == "federation" and 30 < result.trials < 70  # each of the 100 canaries in with probability 1/2
+    assert result.auc > 0.6 and result.accountant_epsilon == math.inf  # the canaries never sampled score as null
+    assert result.empirical_epsilon > 0.5  # a lower bound from this one run: provably not epsilon-DP for small epsilon
     assert (tmp_path / "run" / "metrics.jsonl").is_file()  # a real run, with its run directory
 
 
@@ -196,7 +225,7 @@ def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_pat
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])  # the run's own ledger
     assert result.accountant_epsilon <= config.target_epsilon
-    assert result.empirical_epsilon < result.accountant_epsilon
+    assert result.empirical_epsilon < result.accountant_epsilon and result.estimate_epsilon < result.accountant_epsilon
 
 
 # -- the command line -------------------------------------------------------------------------------
@@ -217,6 +246,7 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--canaries", "5"], "Canaries must number at least 100"),
     (["--canaries", "100", "--set", "head=probe"], 'use head = "message"'),
+    (["--canaries", "100", "--set", "sampling=poisson"], 'use sampling = "fixed"'),
     (["--set", "strategy=nope"], "strategy must be one of"),
     (["--set", "target-epsilon=0.001"], "unreachable"),
 ])
@@ -236,5 +266,3 @@ def test_verdict_only_lets_a_lower_bound_refute():
     assert "1.68 is refuted" in verdict({**bound, "empirical_epsilon": 3.3, "accountant_epsilon": 40.7,
                                          "claimed_epsilon": 1.68})
     assert verdict({**bound, "empirical_epsilon": 7.2, "accountant_epsilon": None}).startswith("not private")
-    estimate = {"empirical_kind": "estimate, Gaussian fit", "claimed_epsilon": None}
-    assert "cannot refute" in verdict({**estimate, "empirical_epsilon": 9.0, "accountant_epsilon": 8.0})
