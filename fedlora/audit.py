@@ -123,7 +123,7 @@ def one_run_lower_bound(scores: np.ndarray, included: np.ndarray, *, delta: floa
     canary was included independently with probability 1/2.
 
     The auditor guesses "included" for the k highest scores (scores never see the coins) and abstains on
-    the rest, for k = 1, 2, 4, ... and every canary; the levels are Bonferroni-corrected over those k.
+    the rest, for k = 1, 2, 4, ... and k = all canaries; the levels are Bonferroni-corrected over those k.
     """
     scores, included = np.asarray(scores, dtype=float), np.asarray(included, dtype=bool)
     m = len(scores)

@@ -382,7 +382,7 @@ def _audit_lines(r: dict) -> str:
              f"  empirical epsilon {_epsilon_text(r['empirical_epsilon'])} ({r['empirical_kind']}); accountant "
              f"epsilon {_epsilon_text(r['accountant_epsilon'])} for {scope} at delta {r['delta']:g} "
              f"({r['threat_model']})"]
-    if r.get("estimate_epsilon") is not None:
+    if r["level"] == "federation":  # its estimate may be infinite (null), and is still worth a line
         lines.append(f"  Andrew et al.'s estimate {_epsilon_text(r['estimate_epsilon'])} (a Gaussian fit, not a bound); "
                      f"with no canary inserted it gives {_epsilon_text(r['null_epsilon'])} (its noise floor)")
     if r.get("claimed_epsilon") is not None:

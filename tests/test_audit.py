@@ -257,6 +257,17 @@ def test_fedlora_audit_bad_input_is_one_line_and_exit_2(argv, message, tmp_path,
     assert not (tmp_path / "a").exists()
 
 
+def test_a_run_audit_prints_its_estimate_even_when_infinite():
+    from fedlora.cli import _audit_lines
+
+    run = {"level": "federation", "name": "ffa-lora run", "attack": "cosine", "auc": 0.85, "tpr_at_fpr_0.01": 0.7,
+           "tpr_at_fpr_0.1": 0.7, "empirical_epsilon": 2.42, "empirical_kind": "lower bound at 95% confidence, one run",
+           "accountant_epsilon": None, "delta": 1e-5, "threat_model": "known-sketch", "claimed_epsilon": None,
+           "estimate_epsilon": None, "null_epsilon": 0.39}
+    lines = _audit_lines(run)
+    assert "estimate inf" in lines and "0.390 (its noise floor)" in lines and "accountant epsilon inf" in lines
+
+
 def test_verdict_only_lets_a_lower_bound_refute():
     from fedlora.audit import verdict
 
