@@ -132,7 +132,7 @@ def measure(args: argparse.Namespace) -> dict:
         r = audit_mechanism(mechanism, shape=SHAPE, trials=args.trials, delta=args.delta, clients_per_round=n)
         results.append({"strategies": strategies, **r.to_json()})
         print(f"{strategies}: {r.name}: AUC {r.auc:.3f}, empirical {r.empirical_epsilon:.2f}, accountant "
-              f"{r.accountant_epsilon:.2f}", flush=True)
+              f"{r.accountant_epsilon:.2f} ({r.threat_model})", flush=True)
     for strategy, threat in FEDERATION_RUNS if args.canaries else []:
         config = load_config(None, [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
                              + [f"strategy={strategy}", f"threat-model={threat}", f"delta={args.delta}"])
