@@ -10,6 +10,7 @@ import time
 from functools import lru_cache
 
 import psutil
+import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
@@ -17,6 +18,7 @@ from fedlora.config import RunConfig, load_splits, run_config_of
 from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
 from fedlora.federation import GlobalState, Protocol, num_bytes
 from fedlora.lora import get_adapters
+from fedlora.mechanisms import CLIP_MARGIN
 from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed, secret_fingerprint
 from fedlora.training import select_device
@@ -86,9 +88,19 @@ def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_i
     return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
 
 
-def reply(msg: Message, release: dict, metrics: dict) -> Message:
-    return Message(RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
-                               "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})}), reply_to=msg)
+def reply(msg: Message, release: dict, metrics: dict, clip_bit: float | None = None) -> Message:
+    """The release (and, under adaptive clipping, the clip bit as one float64) with the round's telemetry."""
+    content = RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
+                          "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})})
+    if clip_bit is not None:
+        content["clip-bit"] = ArrayRecord({"bit": torch.tensor([clip_bit], dtype=torch.float64)})
+    return Message(content, reply_to=msg)
+
+
+def round_clip_norm(msg: Message) -> float | None:
+    """The round's clip norm, which adaptive clipping moves (None: the config's)."""
+    config = msg.content["config"]
+    return float(config["clip-norm"]) if "clip-norm" in config else None
 
 
 @app.train()
@@ -102,12 +114,13 @@ def train(msg: Message, context: Context) -> Message:
                         int(round_config["produced-by"]))
     round_, release = int(round_config["server-round"]), int(round_config["release"])
     result = protocol.local_round(model, base, _local_data(config, node), state, round_=round_, release=release,
-                                  partition_id=partition_id, noise=round_noise(config, protocol, release, partition_id))
+                                  partition_id=partition_id, noise=round_noise(config, protocol, release, partition_id),
+                                  clip_norm=round_clip_norm(msg))
     metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
                "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds}
     if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
         metrics["train-loss"] = float(result.train_loss)
-    return reply(msg, result.release, metrics)
+    return reply(msg, result.release, metrics, result.clip_bit)
 
 
 def canary_train(msg: Message, context: Context, direction: dict) -> Message:
@@ -117,7 +130,8 @@ def canary_train(msg: Message, context: Context, direction: dict) -> Message:
     config, protocol, node = round_setup(msg, context)
     round_config = msg.content["config"]
     round_, release = int(round_config["server-round"]), int(round_config["release"])
-    message = {name: t * config.clip_norm for name, t in direction.items()}
-    out = protocol.mechanism_for(round_).privatize(message, key=protocol.key(release),
-                                                   noise=round_noise(config, protocol, release, node.partition_id))
-    return reply(msg, out, {"partition-id": node.partition_id})
+    clip_norm = round_clip_norm(msg) or config.clip_norm
+    message = {name: t * clip_norm * (1 - CLIP_MARGIN) for name, t in direction.items()}
+    out, bit = protocol.privatize(message, round_=round_, release=release, clip_norm=clip_norm,
+                                  noise=round_noise(config, protocol, release, node.partition_id))
+    return reply(msg, out, {"partition-id": node.partition_id}, bit)

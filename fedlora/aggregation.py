@@ -22,15 +22,24 @@ class SingularValueSplit(str, Enum):
     SQRT = "sqrt"  # B = U_r S_r^(1/2), A = S_r^(1/2) V_r^T
 
 
-def mean_message(messages: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
-    """Entry-wise mean of messages with identical names and shapes (FFA's aggregation, and dense heads)."""
+def _stacked(messages: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     if not messages:
         raise ValueError("Cannot aggregate zero messages.")
     names = list(messages[0])
     for message in messages[1:]:
         if list(message) != names:
             raise ValueError("Messages to aggregate must carry the same entries in the same order.")
-    return {name: torch.stack([m[name] for m in messages]).mean(dim=0) for name in names}
+    return {name: torch.stack([m[name] for m in messages]) for name in names}
+
+
+def mean_message(messages: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Entry-wise mean of messages with identical names and shapes (FFA's aggregation, and dense heads)."""
+    return {name: t.mean(dim=0) for name, t in _stacked(messages).items()}
+
+
+def sum_message(messages: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
+    """Entry-wise sum of messages with identical names and shapes (what noise at the server is added to)."""
+    return {name: t.sum(dim=0) for name, t in _stacked(messages).items()}
 
 
 def svd_of_mean_product(bs: Sequence[Tensor], as_: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor]:

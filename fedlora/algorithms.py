@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from fedlora.mechanisms import Mechanism, ThreatModel, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
+from fedlora.mechanisms import (Mechanism, NoisePlacement, ThreatModel, gaussian_mechanism, sgmm_mechanism,
+                                sgmv_mechanism)
 
 
 class LoRAMode(str, Enum):
@@ -63,16 +64,17 @@ def check_layer_sizes(algorithm: Algorithm, shapes, *, rank: int, sketch_dim: in
 
 
 def make_mechanism(algorithm: Algorithm, *, clip_norm: float | None, noise_multiplier: float,
-                   sketch_dim: int | None = None, threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
-    """The client-side mechanism of a strategy. ``sketch_dim`` is b for SGMM and h for SGMV."""
+                   sketch_dim: int | None = None, threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH,
+                   placement: NoisePlacement | str = NoisePlacement.CLIENT) -> Mechanism:
+    """The mechanism of a strategy. ``sketch_dim`` is b for SGMM and h for SGMV."""
     if algorithm.mechanism == "none":
         return Mechanism(clip_norm=clip_norm)
     if clip_norm is None:
         raise ValueError(f"Strategy '{algorithm.name}' is private and needs a clip norm.")
     if algorithm.mechanism == "gaussian":
-        return gaussian_mechanism(clip_norm=clip_norm, noise_multiplier=noise_multiplier)
+        return gaussian_mechanism(clip_norm=clip_norm, noise_multiplier=noise_multiplier, placement=placement)
     if sketch_dim is None:
         raise ValueError(f"Strategy '{algorithm.name}' needs a sketch dimension.")
     make = sgmm_mechanism if algorithm.mechanism == "sgmm" else sgmv_mechanism
     return make(sketch_dim=sketch_dim, clip_norm=clip_norm, noise_multiplier=noise_multiplier,
-                threat_model=threat_model)
+                threat_model=threat_model, placement=placement)

@@ -3,8 +3,10 @@
 ``global-state.safetensors`` in the run directory holds the global adapters as the server aggregated
 them (sketched when the mechanism sketches) and, in its metadata, everything a resumed run needs:
 the rounds done, the releases issued (retries included) and whether the last one's round was cut
-short, the privacy ledger, the metrics rows so far, the run's status, and the fingerprint of the
-nodes' sketch secret when the nodes hold it. Sampling, sketches and simulation noise are pure
+short, the privacy ledger, the metrics rows so far, the run's status, the clip norm (adaptive
+clipping moves it), and the fingerprint of the nodes' sketch secret when the nodes hold it. The
+server optimizer's state (message = update) is saved beside the adapters, as tensors named
+``server-optimizer/<slot>/<entry>``. Sampling, sketches and simulation noise are pure
 functions of (seed, release, partition), so they need no state of their own.
 """
 
@@ -18,6 +20,7 @@ from pathlib import Path
 from fedlora.federation import GlobalState
 
 STATE_FILE = "global-state.safetensors"
+OPTIMIZER_PREFIX = "server-optimizer/"
 
 RUNNING, FINISHED, BUDGET_SPENT, STALLED, RESTART = "running", "finished", "budget-spent", "stalled", "restart"
 ENDED = (FINISHED, BUDGET_SPENT)  # a run in any other status can be resumed
@@ -35,6 +38,8 @@ class Checkpoint:
     reason: str = ""  # why the run stopped, when it stopped early
     simulated: bool = False  # run by the simulation engine (`fedlora run`), which can resume it
     secret_fingerprint: int | None = None
+    clip_norm: float | None = None  # the next round's clip norm (None: files from before adaptive clipping)
+    optimizer: dict = field(default_factory=dict)  # ServerOptimizer.state
 
     def save(self, run_dir: Path) -> None:
         """Writes the checkpoint next to its final place, then renames it over the old one: a crash at any
@@ -45,12 +50,12 @@ class Checkpoint:
         partial = path.with_name(path.name + ".partial")
         progress = {"rounds_done": self.rounds_done, "releases": self.releases, "in_flight": self.in_flight,
                     "ledger": self.ledger, "rows": self.rows, "status": self.status, "reason": self.reason,
-                    "simulated": self.simulated}
+                    "simulated": self.simulated, "clip_norm": self.clip_norm}
         metadata = {"produced_by": str(self.state.produced_by), "progress": json.dumps(progress)}
         if self.secret_fingerprint is not None:
             metadata["secret_fingerprint"] = str(self.secret_fingerprint)
-        save_file({n: t.detach().cpu().contiguous() for n, t in self.state.message.items()}, str(partial),
-                  metadata=metadata)
+        tensors = {**self.state.message, **{OPTIMIZER_PREFIX + n: t for n, t in self.optimizer.items()}}
+        save_file({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, str(partial), metadata=metadata)
         with open(partial, "rb") as f:
             os.fsync(f.fileno())
         os.replace(partial, path)
@@ -69,8 +74,12 @@ class Checkpoint:
             raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
-            state = GlobalState({n: f.get_tensor(n) for n in f.keys()}, int(metadata["produced_by"]))
+            tensors = {n: f.get_tensor(n) for n in f.keys()}
+        state = GlobalState({n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)},
+                            int(metadata["produced_by"]))
+        optimizer = {n[len(OPTIMIZER_PREFIX):]: t for n, t in tensors.items() if n.startswith(OPTIMIZER_PREFIX)}
         fingerprint = metadata.get("secret_fingerprint")
         # files from before checkpoints held only the final state of a finished run
         progress = json.loads(metadata.get("progress", json.dumps({"status": FINISHED})))
-        return cls(state, secret_fingerprint=int(fingerprint) if fingerprint is not None else None, **progress)
+        return cls(state, secret_fingerprint=int(fingerprint) if fingerprint is not None else None,
+                   optimizer=optimizer, **progress)

@@ -35,6 +35,9 @@ DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "tra
 # `fedlora audit` without --config: enough clients per round for canaries to be sampled, evaluation at the end only
 AUDIT_PRESET = {"num-clients": 400, "clients-per-round": 40, "eval-every": 10}
 HEAD_MODES = ("message", "probe", "frozen")
+PLACEMENTS = ("client", "server")
+MESSAGE_FORMS = ("adapter", "update")
+SERVER_OPTIMIZERS = ("sgd", "momentum", "adam")
 
 
 class ConfigError(ValueError):
@@ -46,9 +49,9 @@ class ConfigError(ValueError):
 
 
 def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
-         high: float | None = None, low_open: bool = False):
+         high: float | None = None, low_open: bool = False, high_open: bool = False):
     return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high,
-                                            "low_open": low_open})
+                                            "low_open": low_open, "high_open": high_open})
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,26 @@ class RunConfig:
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
+    noise_placement: str = _opt("client", "where the noise is added: by each client to its own message (the paper; "
+                                          "the guarantee holds against the server too), or by the server to the sum "
+                                          "of the round's messages (central DP: the guarantee holds against everyone "
+                                          "who sees the model, not against the server)", choices=PLACEMENTS)
+    message: str = _opt("adapter", "what a client sends: its whole local adapter (the paper), or its update, the "
+                                   "change from the global adapter it started from (DP-FedAvg), which the server "
+                                   "applies with server-optimizer", choices=MESSAGE_FORMS)
+    server_optimizer: str = _opt("sgd", "message = update: how the server applies the noisy mean update",
+                                 choices=SERVER_OPTIMIZERS)
+    server_lr: float = _opt(1.0, "message = update: the server optimizer's learning rate", low=0.0, low_open=True)
+    server_momentum: float = _opt(0.9, "message = update: momentum (beta1 for adam)", low=0.0, high=1.0,
+                                high_open=True)
+    clip_quantile: float = _opt(0.0, "private adaptive clipping (Andrew et al. 2021): the quantile of the clients' "
+                                     "message norms the clip norm tracks, clip-norm being its start (0: clip-norm "
+                                     "fixed)", low=0.0, high=1.0, high_open=True)
+    clip_lr: float = _opt(0.2, "adaptive clipping: the geometric step of the clip norm per round", low=0.0,
+                          low_open=True)
+    clip_count_stddev: float = _opt(0.0, "adaptive clipping: the noise on the count of clients under the clip norm "
+                                         "(0: clients-per-round / 20, Andrew et al.'s default); accounted, and the "
+                                         "update's noise is raised to pay for it", low=0.0)
     sketch_secret: str = _opt("run-seed", "secret-sketch: the sketch seed derived from the run seed (simulation: the "
                                           "server knows it, and evaluates), or read by every SuperNode from its "
                                           "sketch-secret-file (deployment: the server never sees it)",
@@ -153,8 +176,8 @@ class RunConfig:
             low, high = meta["low"], meta["high"]
             if low is not None and (value < low or (meta["low_open"] and value == low)):
                 problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
-            elif high is not None and value > high:
-                problems.append(f"{key} must be <= {high:g}, got {value}.")
+            elif high is not None and (value > high or (meta["high_open"] and value == high)):
+                problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {high:g}, got {value}.")
         if problems:  # the cross-constraints below assume every field is in range
             return problems
         algorithm = get_algorithm(self.strategy)
@@ -186,6 +209,7 @@ class RunConfig:
         if self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
             problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                             "LoRA rounds after it.")
+        problems += self._lever_problems(algorithm)
         if self.dataset == "cifar100" and self.num_classes != 100:
             problems.append("CIFAR-100 has 100 classes: set num-classes = 100.")
         try:  # rank <= every adapted layer's sides; b <= m (SGMM), h <= m r (SGMV)
@@ -194,6 +218,42 @@ class RunConfig:
         except ValueError as error:
             problems.append(str(error))
         return problems
+
+    def _lever_problems(self, algorithm) -> list[str]:
+        """Noise placement, update form and adaptive clipping: the combinations the design does not support."""
+        problems = []
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.noise_placement == "server":
+            if not algorithm.private:
+                problems.append(f"{self.strategy} adds no noise: noise-placement applies to private strategies.")
+            elif algorithm.sketched and self.threat_model == "secret-sketch":
+                problems.append('noise-placement = "server" needs threat-model = "known-sketch": the secret-sketch '
+                                "bound is derived for noise on every client's message, not on their sum.")
+        if self.message == "update":
+            if algorithm.family is LoRAMode.FLEX:
+                problems.append('message = "update" needs an FFA strategy: FlexLoRA aggregates the product B A of '
+                                "each client's factors, and an update of the factors is not an update of their "
+                                "product, so FlexLoRA keeps message = \"adapter\".")
+            if self.sketch_secret == "node-file":
+                problems.append('message = "update" needs the server to de-sketch the mean update, which it cannot '
+                                'with sketch-secret = "node-file".')
+        elif self.server_optimizer != defaults["server_optimizer"] or self.server_lr != defaults["server_lr"]:
+            problems.append('server-optimizer and server-lr apply to message = "update"; the adapter form replaces '
+                            "the global adapter with the mean.")
+        if self.clip_quantile:
+            if not algorithm.private:
+                problems.append(f"{self.strategy} clips nothing: adaptive clipping (clip-quantile) applies to "
+                                "private strategies.")
+            if self.head == "probe":
+                problems.append('Adaptive clipping (clip-quantile) is not supported with head = "probe": use '
+                                '"message" or "frozen".')
+        elif self.clip_lr != defaults["clip_lr"] or self.clip_count_stddev != defaults["clip_count_stddev"]:
+            problems.append("clip-lr and clip-count-stddev apply to adaptive clipping: set clip-quantile > 0.")
+        return problems
+
+    def count_stddev(self) -> float:
+        """Adaptive clipping: the standard deviation of the noise on the count of clients under the clip norm."""
+        return self.clip_count_stddev or self.clients_per_round / 20
 
     def required_replies(self) -> int:
         """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up)."""

@@ -39,14 +39,16 @@ class NoisePlan:
     def new_ledger(self, config: RunConfig) -> PrivacyLedger | None:
         if self.planned is None:
             return None
-        return PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None)
+        return PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None,
+                             placement=config.noise_placement)
 
 
 def noise_for(config: RunConfig) -> NoisePlan:
     """Noise multipliers calibrated for target-epsilon over num-rounds (or noise-multiplier as given).
 
     With a linear probe the probe phase alone is calibrated to ``probe-budget`` of the target, then
-    the LoRA phase to what the composition of both leaves.
+    the LoRA phase to what the composition of both leaves. With adaptive clipping each LoRA round also
+    releases the clip count, and the update's multiplier is raised until the pair spends the target.
     """
     protocol = Protocol(config, 1.0, 1.0)
     if not protocol.algorithm.private:
@@ -59,22 +61,32 @@ def noise_for(config: RunConfig) -> NoisePlan:
     def probe_release(z: float):
         return gaussian_mechanism(clip_norm=config.clip_norm, noise_multiplier=z).release_of(head, clients_per_round=n)
 
+    count = (protocol.clipping.release(),) if protocol.clipping is not None else ()
+
     def lora_release(z: float):
-        return Protocol(config, z).mechanism.release_of(protocol.client_message(model, LORA), clients_per_round=n)
+        message = protocol.client_message(model, LORA)
+        return Protocol(config, z).mechanism.release_of(message, clients_per_round=n) + count
 
     def phases(z_probe: float, z_lora: float) -> list[Phase]:
         probe = [Phase(PROBE, probe_release(z_probe), sampling, probe_rounds)] if probe_rounds else []
         return [*probe, Phase(LORA, lora_release(z_lora), sampling, config.num_rounds - probe_rounds)]
 
-    threat = config.threat_model
+    threat, placement = config.threat_model, config.noise_placement
+    if count and config.target_epsilon:
+        alone = epsilon([Phase(LORA, count, sampling, config.num_rounds - probe_rounds)], delta=config.delta,
+                        threat_model=threat, placement=placement).epsilon
+        if alone >= config.target_epsilon:
+            raise ValueError(f"The clip count's noise alone (clip-count-stddev {config.count_stddev():g}) spends "
+                             f"epsilon {alone:.3g} of the target {config.target_epsilon:g}: raise clip-count-stddev.")
     if config.noise_multiplier == 0:  # calibrated to spend target-epsilon in num-rounds
         z_probe = calibrate(lambda z: phases(z, 1.0)[:1], target_epsilon=config.probe_budget * config.target_epsilon,
-                            delta=config.delta, threat_model=threat).noise_multiplier if probe_rounds else 0.0
+                            delta=config.delta, threat_model=threat,
+                            placement=placement).noise_multiplier if probe_rounds else 0.0
         z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon, delta=config.delta,
-                           threat_model=threat).noise_multiplier
+                           threat_model=threat, placement=placement).noise_multiplier
     else:
         z_probe = z_lora = config.noise_multiplier
-    planned = epsilon(phases(z_probe, z_lora), delta=config.delta, threat_model=threat)
+    planned = epsilon(phases(z_probe, z_lora), delta=config.delta, threat_model=threat, placement=placement)
     return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, planned)
 
 
@@ -119,6 +131,7 @@ class RunRecorder:
                "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
                "noise_multiplier": self.protocol.noise_multiplier,
                "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
+               "clip_norm": info.get("clip_norm", self.protocol.mechanism.clip_norm),
                "releases": ledger.rounds if ledger is not None else info.get("release", round_),
                "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
                "replies": info.get("replies", 0), "failed": info.get("failed", 0),
@@ -156,7 +169,7 @@ class RunRecorder:
             self.echo(f"The server does not hold the sketch secret: reconstruct the adapter on a node with "
                       f"`fedlora reconstruct {self.out_dir} --sketch-secret-file PATH`.")
         epsilon = self.rows[-1]["epsilon"] if self.rows else 0.0
-        privacy = (f"{self.config.threat_model}, z = {self.protocol.noise_multiplier:.3g}, "
+        privacy = (f"{self.protocol.mechanism.trust_model}, z = {self.protocol.noise_multiplier:.3g}, "
                    f"epsilon = {epsilon:.3g}" if self.protocol.algorithm.private else "not private")
         plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
                       chance=1 / self.config.num_classes)

@@ -5,6 +5,11 @@ The global state is the aggregate of the last round, in sketched space when the 
 (FFA: mean of R B_c; Flex: top-r SVD of the mean of (R B_c)(A_c R_A)), together with the release whose
 sketches produced it. A client de-sketches it with that release's R before training.
 
+With message = "update" a client sends the change from the global state it started from, and the server
+applies the (de-sketched) noisy mean with its optimizer: the global state then stays dense. With noise at
+the server, clients send their constrained (clipped, sketched) messages without noise and the server
+noises their sum before anything else sees it.
+
 Rounds are numbered 1..T; releases count every time clients were sampled, retries included. Without
 retries the two are equal. Sketches, noise and batches are seeded by the release, so a retried round
 never reuses a sketch or noise.
@@ -18,13 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from fedlora.aggregation import mean_message, redistribute, svd_of_mean_product, truncate
+from fedlora.aggregation import mean_message, redistribute, sum_message, svd_of_mean_product, truncate
 from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
 from fedlora.config import RunConfig
 from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, set_adapters, set_head,
                           to_message)
-from fedlora.mechanisms import Message, gaussian_mechanism, message_norm
+from fedlora.clipping import QuantileClipping
+from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mechanism, message_norm
+from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import NoSketch, SketchKey, Side, side_of
 from fedlora.training import local_sgd
 
@@ -50,6 +58,7 @@ class ClientRound:
     train_loss: float
     train_seconds: float  # loading the global state and K local steps
     privatize_seconds: float  # clip + sketch + noise
+    clip_bit: float | None = None  # adaptive clipping: [norm <= clip norm], noised when the noise is the client's
 
 
 class Protocol:
@@ -62,20 +71,33 @@ class Protocol:
         self.noise_multiplier = noise_multiplier
         self.probe_noise_multiplier = probe_noise_multiplier
         clip = config.clip_norm if self.algorithm.private else None
+        self.placement = NoisePlacement(config.noise_placement)
         self.mechanism = make_mechanism(
             self.algorithm, clip_norm=clip, noise_multiplier=noise_multiplier if self.algorithm.private else 0.0,
-            sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model)
+            sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model, placement=self.placement)
         # The linear probe releases the dense head: the Gaussian mechanism (or none, for non-private strategies).
-        self.probe_mechanism = (gaussian_mechanism(clip_norm=clip, noise_multiplier=probe_noise_multiplier)
+        self.probe_mechanism = (gaussian_mechanism(clip_norm=clip, noise_multiplier=probe_noise_multiplier,
+                                                   placement=self.placement)
                                 if self.algorithm.private else self.mechanism)
+        self.sends_updates = config.message == "update"
+        self.clipping = (QuantileClipping(config.clip_quantile, config.clip_lr, config.count_stddev(), self.placement)
+                         if config.clip_quantile and self.algorithm.private else None)
         self.sketch_seed = derive_seed(config.seed, "sketch", config.threat_model)
 
     # -- phases (head = probe: a private linear probe, then LoRA with the head frozen) -------------
     def phase(self, round_: int) -> str:
         return PROBE if round_ <= self.config.linear_probe_rounds() else LORA
 
-    def mechanism_for(self, round_: int):
-        return self.probe_mechanism if self.phase(round_) == PROBE else self.mechanism
+    def mechanism_for(self, round_: int, clip_norm: float | None = None) -> Mechanism:
+        """The mechanism of ``round_``'s phase, at ``clip_norm`` when adaptive clipping has moved it."""
+        mechanism = self.probe_mechanism if self.phase(round_) == PROBE else self.mechanism
+        return mechanism.with_clip_norm(clip_norm) if clip_norm and mechanism.clip_norm else mechanism
+
+    def new_optimizer(self) -> ServerOptimizer | None:
+        """The server optimizer that applies mean updates (message = update), else None."""
+        c = self.config
+        return ServerOptimizer(c.server_optimizer, lr=c.server_lr, momentum=c.server_momentum) \
+            if self.sends_updates else None
 
     def _set_trainable(self, model, phase: str) -> None:
         for name, param in model.named_parameters():
@@ -123,14 +145,17 @@ class Protocol:
                 shapes[name] = (t.shape[0], rank) if side is Side.LEFT else (rank, t.shape[1])
         return shapes
 
-    def release_problem(self, release: Message, template: Message, *, round_: int, rank: int) -> str | None:
+    def release_problem(self, release: Message, template: Message, *, round_: int, rank: int,
+                        clip_norm: float | None = None, clip_bit: Tensor | None = None) -> str | None:
         """Why a client's release cannot be honest (wrong entries, shapes or dtype, NaN/Inf, a norm above what
-        the mechanism allows), or None."""
+        the mechanism allows, a missing or impossible clip bit under adaptive clipping), or None."""
         expected = self.expected_message(template, round_, rank)
         if set(release) != set(expected):
             odd = sorted(set(release) ^ set(expected))
             return f"its entries differ from the expected ones ({', '.join(odd[:3])}{', ...' if len(odd) > 3 else ''})"
-        mechanism = self.mechanism_for(round_)
+        mechanism = self.mechanism_for(round_, clip_norm)
+        if self.clipping is not None and (problem := self._clip_bit_problem(clip_bit)):
+            return problem
         for name, shape in mechanism.released_shapes(expected).items():
             t = release[name]
             if tuple(t.shape) != shape:
@@ -141,7 +166,21 @@ class Protocol:
                 return f"'{name}' holds NaN or Inf"
         norm, allowance = message_norm(release), mechanism.norm_allowance(expected)
         if norm > allowance:
+            if self.placement is NoisePlacement.SERVER:  # a single message's value stays out of the logs
+                return f"its norm exceeds what the mechanism allows ({allowance:.4g})"
             return f"its norm {norm:.4g} exceeds what the mechanism allows ({allowance:.4g})"
+        return None
+
+    def _clip_bit_problem(self, bit: Tensor | None) -> str | None:
+        if bit is None:
+            return "it carries no clip bit (adaptive clipping)"
+        if bit.numel() != 1 or bit.dtype != torch.float64 or not torch.isfinite(bit).all():
+            return "its clip bit is not one finite float64"
+        value = float(bit)
+        if self.placement is NoisePlacement.SERVER and value not in (0.0, 1.0):
+            return "its clip bit is neither 0 nor 1"
+        if abs(value - 0.5) > self.clipping.bit_allowance():
+            return "its clip bit lies outside what the count's noise allows"
         return None
 
     # -- client side -----------------------------------------------------------------------------
@@ -171,14 +210,16 @@ class Protocol:
         set_head(model, {n: t.to(device) for n, t in message.items() if side_of(n) is Side.DENSE})
 
     def local_round(self, model, base: dict[str, LoRAFactors], dataset, state: GlobalState, *, round_: int,
-                    partition_id: int, noise: torch.Generator | None, release: int | None = None) -> ClientRound:
+                    partition_id: int, noise: torch.Generator | None, release: int | None = None,
+                    clip_norm: float | None = None) -> ClientRound:
         """One client's round: load the global state, K local SGD steps, clip, privatize. ``release`` (default:
-        the round) seeds the sketch and the batches."""
+        the round) seeds the sketch and the batches; ``clip_norm`` is the round's (adaptive clipping)."""
         started = time.perf_counter()
         release = round_ if release is None else release
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
+        start = {n: t.detach().cpu().clone() for n, t in self.client_message(model, phase).items()}
         generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, partition_id))
         # the training transform's random flips draw from torch's global generator: seed it per client round,
         # or runs with the same seed differ with the worker that happened to run the client
@@ -187,40 +228,102 @@ class Protocol:
                          lr=self.config.lr, generator=generator)
         trained = time.perf_counter()
         message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
-        out = self.mechanism_for(round_).privatize(message, key=self.key(release), noise=noise)
-        return ClientRound(out, loss, trained - started, time.perf_counter() - trained)
+        if self.sends_updates:
+            message = {n: t - start[n] for n, t in message.items()}
+        out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
+        return ClientRound(out, loss, trained - started, time.perf_counter() - trained, bit)
+
+    def privatize(self, message: Message, *, round_: int, release: int, noise: torch.Generator | None,
+                  clip_norm: float | None = None) -> tuple[Message, float | None]:
+        """A client's release of ``message`` in ``round_`` and, under adaptive clipping, its clip bit."""
+        mechanism = self.mechanism_for(round_, clip_norm)
+        out = mechanism.privatize(message, key=self.key(release), noise=noise)
+        if self.clipping is None:
+            return out, None
+        return out, self.clipping.client_bit(message_norm(message), mechanism.clip_norm, noise)
 
     def simulation_noise(self, release: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
         return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", release, partition_id))
 
     # -- server side -----------------------------------------------------------------------------
+    def server_noise(self, release: int) -> torch.Generator | None:
+        """The server's noise (noise at the server): seeded from the run seed in simulations that ask for it,
+        else None, the OS's secure randomness."""
+        if self.config.noise_source != "seeded":
+            return None
+        return torch.Generator().manual_seed(derive_seed(self.config.seed, "server-noise", release))
+
+    def denominator(self, replies: int) -> float:
+        """What the sum of the releases is divided by. With noise at the server under Poisson sampling, the
+        expected N: the number of participants is not released (McMahan et al. 2018's fixed denominator)."""
+        if self.placement is NoisePlacement.SERVER and self.config.sampling == "poisson":
+            return float(self.config.clients_per_round)
+        return float(replies)
+
     def aggregate(self, releases: Sequence[Message], round_: int, previous: GlobalState,
-                  release: int | None = None) -> GlobalState:
+                  release: int | None = None, *, clip_norm: float | None = None, noise: torch.Generator | None = None,
+                  optimizer: ServerOptimizer | None = None) -> GlobalState:
         """FFA: the mean of the releases. Flex: the top-r SVD of the mean B A product, per layer, in the
-        releases' space; dense entries (the head) are averaged. Entries no client sent (the adapters
-        during a linear probe, the frozen head after it) stay as they were. ``release`` (default: the
-        round) names the sketches the releases were made with."""
-        if self.phase(round_) == PROBE:
-            return GlobalState({**previous.message, **mean_message(releases)}, previous.produced_by)
-        produced_by = DENSE if isinstance(self.mechanism.sketch, NoSketch) else (round_ if release is None else release)
-        if self.mode is LoRAMode.FFA:
-            return GlobalState({**previous.message, **mean_message(releases)}, produced_by)
-        dense = mean_message([{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases])
+        releases' space; dense entries (the head) are averaged. With noise at the server, the sum gets the
+        noise (``noise``, for the round's ``clip_norm``) before it is divided. With updates, the mean update is
+        de-sketched and applied by ``optimizer``. Entries no client sent (the adapters during a linear probe,
+        the frozen head after it) stay as they were. ``release`` (default: the round) names the sketches the
+        releases were made with."""
+        release = round_ if release is None else release
+        mechanism = self.mechanism_for(round_, clip_norm)
+        phase = self.phase(round_)
+        sketched = phase == LORA and not isinstance(self.mechanism.sketch, NoSketch)
+        if self.mode is LoRAMode.FLEX and phase == LORA:
+            return GlobalState({**previous.message, **self._flex_mean(releases, mechanism, noise)},
+                               release if sketched else DENSE)
+        if mechanism.placement is NoisePlacement.CLIENT:
+            mean = mean_message(releases)
+        else:
+            denominator = self.denominator(len(releases))
+            mean = {n: t / denominator for n, t in mechanism.noise_sum(sum_message(releases), noise).items()}
+        if not self.sends_updates:
+            produced_by = previous.produced_by if phase == PROBE else release if sketched else DENSE
+            return GlobalState({**previous.message, **mean}, produced_by)
+        if sketched:
+            mean = mechanism.desketch(mean, key=self.key(release),
+                                      shapes={n: tuple(previous.message[n].shape) for n in mean})
+        return GlobalState({**previous.message, **optimizer.step(previous.message, mean)}, DENSE)
+
+    def _flex_mean(self, releases: Sequence[Message], mechanism: Mechanism, noise) -> Message:
+        """FlexLoRA's global factors: per layer the top-r SVD of the mean product B A, and the mean head.
+
+        With noise at the server the noise goes on what the SVD sees, the sum of the products: a message of
+        norm <= tau has ||B A||_F <= (||B||^2 + ||A||^2) / 2, so the products (and head) of one client have
+        norm <= kappa = max(tau^2 / 2, tau) with a head, tau^2 / 2 without, and the sum gets N(0, (z kappa)^2):
+        the same Gaussian release, in units of kappa, as the client's own noise in units of tau."""
+        dense = [{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases]
+        layers = [name.rsplit(".", 1)[0] for name in releases[0] if side_of(name) is Side.LEFT]
+        dtype = next(t for n, t in releases[0].items() if side_of(n) is Side.LEFT).dtype
         out: Message = {}
-        for name in releases[0]:
-            if side_of(name) is not Side.LEFT:
-                continue
-            layer = name.rsplit(".", 1)[0]
-            bs = [r[f"{layer}.lora_B"].double() for r in releases]
-            as_ = [r[f"{layer}.lora_A"].double() for r in releases]
-            u, s, vt = svd_of_mean_product(bs, as_)
+        if mechanism.placement is NoisePlacement.CLIENT:
+            factors = {}
+            for layer in layers:
+                bs = [r[f"{layer}.lora_B"].double() for r in releases]
+                as_ = [r[f"{layer}.lora_A"].double() for r in releases]
+                factors[layer] = svd_of_mean_product(bs, as_)
+            head = mean_message(dense) if dense[0] else {}
+        else:
+            tau = mechanism.clip_norm
+            scale = max(tau / 2, 1.0) if dense[0] else tau / 2  # kappa / tau
+            total = {layer: sum(r[f"{layer}.lora_B"].double() @ r[f"{layer}.lora_A"].double() for r in releases)
+                     for layer in layers}
+            total.update(sum_message(dense) if dense[0] else {})
+            denominator = self.denominator(len(releases))
+            noisy = {n: t / denominator for n, t in mechanism.noise_sum(total, noise, scale=scale).items()}
+            factors = {layer: torch.linalg.svd(noisy.pop(layer), full_matrices=False) for layer in layers}
+            head = {n: t.to(dtype) for n, t in noisy.items()}
+        for layer, (u, s, vt) in factors.items():
             b, a = redistribute(u, s, vt, min(self.config.rank, s.numel()), self.config.svd_split)
             pad = self.config.rank - b.shape[1]  # fewer singular values than r: the rest are zero
             b, a = torch.nn.functional.pad(b, (0, pad)), torch.nn.functional.pad(a, (0, 0, 0, pad))
-            dtype = releases[0][name].dtype
             out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(dtype), b.to(dtype)
-        return GlobalState({**previous.message, **out, **dense}, produced_by)
+        return {**out, **head}
 
 
 def num_bytes(message: Message) -> int:

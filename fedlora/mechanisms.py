@@ -6,11 +6,16 @@ sketched (see ``fedlora.sketch.side_of``). Clipping is always on the Frobenius n
 WHOLE message, all entries together (../shared/design/PRIVACY.md, section 1).
 
 One ``Mechanism`` class covers GM, SGMM, SGMV and the non-private baselines: they differ only in
-the sketch they compose with and in their noise.
+the sketch they compose with and in their noise. As in pfl-research, a mechanism is two steps:
+``constrain`` (clip, sketch, clip again: bounds what one client can change, always on the client)
+and ``add_noise``, done by each client to its own message or by the server to the sum of the
+round's messages, as its ``placement`` says. Both placements release the same Gaussian mechanism to
+whoever sees the aggregate (same z, same accountant); they differ in who else is protected.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release, SketchedRelease
+from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release, SketchedRelease, trust_label
 from fedlora.sketch import MatrixSketch, NoSketch, Side, Sketch, SketchKey, VectorSketch, side_of
 
 Message = dict[str, Tensor]
@@ -32,6 +37,13 @@ class ThreatModel(str, Enum):
 
     KNOWN_SKETCH = "known-sketch"  # default and sound: the adversary knows R
     SECRET_SKETCH = "secret-sketch"  # the paper's assumption: R hidden from every observer
+
+
+class NoisePlacement(str, Enum):
+    """Where the noise is added (../shared/design/PRIVATE_LEARNING.md, lever 1)."""
+
+    CLIENT = "client"  # the paper: every client noises its own message; the guarantee holds against the server
+    SERVER = "server"  # central DP: the server noises the sum; it holds against all who see the model, not the server
 
 
 def message_norm(message: Mapping[str, Tensor]) -> float:
@@ -93,6 +105,7 @@ class Mechanism:
     clip_norm: float | None = None
     noise_multiplier: float = 0.0
     threat_model: ThreatModel = ThreatModel.KNOWN_SKETCH
+    placement: NoisePlacement = NoisePlacement.CLIENT
 
     def __post_init__(self) -> None:
         if self.clip_norm is not None and not self.clip_norm > 0:
@@ -102,6 +115,15 @@ class Mechanism:
         if self.noise_multiplier > 0 and self.clip_norm is None:
             raise ValueError("Noise without a clip norm bounds nothing: set clip_norm for a noisy mechanism.")
         object.__setattr__(self, "threat_model", ThreatModel(self.threat_model))
+        object.__setattr__(self, "placement", NoisePlacement(self.placement))
+        if self.placement is NoisePlacement.SERVER and not isinstance(self.sketch, NoSketch) \
+                and self.threat_model is ThreatModel.SECRET_SKETCH:
+            raise ValueError("Noise at the server needs the known-sketch threat model: the secret-sketch bound is "
+                             "derived for noise on every client's message.")
+
+    def with_clip_norm(self, clip_norm: float) -> Mechanism:
+        """The same mechanism at another clip norm (adaptive clipping); the noise multiplier stays."""
+        return dataclasses.replace(self, clip_norm=clip_norm)
 
     @property
     def private(self) -> bool:
@@ -118,16 +140,35 @@ class Mechanism:
         return (self.clip_norm is not None and not isinstance(self.sketch, NoSketch)
                 and self.threat_model is ThreatModel.KNOWN_SKETCH)
 
-    def privatize(self, message: Mapping[str, Tensor], *, key: SketchKey,
-                  noise: torch.Generator | None = None) -> Message:
-        """The client's release. ``noise`` defaults to the OS's secure randomness; seed it only in simulation."""
+    @property
+    def trust_model(self) -> str:
+        """The threat model and where the noise is added, as every epsilon of this mechanism is labelled."""
+        return trust_label(self.threat_model.value, self.placement.value)
+
+    def constrain(self, message: Mapping[str, Tensor], *, key: SketchKey) -> Message:
+        """What bounds one client's influence: clip the whole message, sketch it, clip again under known-sketch."""
         out = clip_message(message, self.clip_norm) if self.clip_norm is not None else dict(message)
         out = {name: self.sketch.sketch(t, key=key, name=name) for name, t in out.items()}
         if self.clips_after_sketch:
             out = clip_message(out, self.clip_norm)
-        if self.private:
-            out = {name: t + gaussian_noise_like(t, self.noise_std, noise) for name, t in out.items()}
         return out
+
+    def add_noise(self, message: Mapping[str, Tensor], noise: torch.Generator | None, *, scale: float = 1.0) -> Message:
+        """N(0, (scale * sigma)^2) on every entry; ``scale`` is the sensitivity of what is noised in clip norms."""
+        if not self.private:
+            return dict(message)
+        return {name: t + gaussian_noise_like(t, scale * self.noise_std, noise) for name, t in message.items()}
+
+    def privatize(self, message: Mapping[str, Tensor], *, key: SketchKey,
+                  noise: torch.Generator | None = None) -> Message:
+        """The client's release: constrained, and noised when the noise is added at the client. ``noise``
+        defaults to the OS's secure randomness; seed it only in simulation."""
+        out = self.constrain(message, key=key)
+        return self.add_noise(out, noise) if self.placement is NoisePlacement.CLIENT else out
+
+    def noise_sum(self, total: Mapping[str, Tensor], noise: torch.Generator | None, *, scale: float = 1.0) -> Message:
+        """The server's step on the sum of a round's releases: the noise, when it is added at the server."""
+        return self.add_noise(total, noise, scale=scale) if self.placement is NoisePlacement.SERVER else dict(total)
 
     def released_shapes(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
         """The shape of every entry of the release of a message with these entry shapes."""
@@ -141,6 +182,8 @@ class Mechanism:
             return math.inf
         x = math.log(4 / failure_probability)  # the sketch may fail with p / 2, the noise with p / 4
         gain = 1.0 if self.clips_after_sketch else self.sketch.gain_bound(shapes, x)
+        if self.placement is NoisePlacement.SERVER:  # the client's release carries no noise
+            return self.clip_norm * gain
         d = sum(math.prod(shape) for shape in self.released_shapes(shapes).values())
         return self.clip_norm * gain + self.noise_std * math.sqrt(d + 2 * math.sqrt(d * x) + 2 * x)
 
@@ -180,21 +223,27 @@ class Mechanism:
         clip = f"clip {self.clip_norm:g}" if self.clip_norm is not None else "no clipping"
         if not self.private:
             return f"{self.sketch!r}, {clip}, no noise: NOT private (epsilon = inf)"
-        return f"{self.sketch!r}, {clip}, noise multiplier {self.noise_multiplier:g}, threat model {self.threat_model.value}"
+        return (f"{self.sketch!r}, {clip}, noise multiplier {self.noise_multiplier:g}, threat model "
+                f"{self.trust_model}")
 
 
-def gaussian_mechanism(*, clip_norm: float, noise_multiplier: float) -> Mechanism:
+def gaussian_mechanism(*, clip_norm: float, noise_multiplier: float,
+                       placement: NoisePlacement | str = NoisePlacement.CLIENT) -> Mechanism:
     """GM: clip the dense message and add Gaussian noise to every entry."""
-    return Mechanism(NoSketch(), clip_norm, noise_multiplier)
+    return Mechanism(NoSketch(), clip_norm, noise_multiplier, placement=NoisePlacement(placement))
 
 
 def sgmm_mechanism(*, sketch_dim: int, clip_norm: float, noise_multiplier: float,
-                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
+                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH,
+                   placement: NoisePlacement | str = NoisePlacement.CLIENT) -> Mechanism:
     """SGMM (paper Def. 2.4): R clip(B) + Xi with Xi in R^{b x r}; A R_A + Xi for A."""
-    return Mechanism(MatrixSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model))
+    return Mechanism(MatrixSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model),
+                     NoisePlacement(placement))
 
 
 def sgmv_mechanism(*, sketch_dim: int, clip_norm: float, noise_multiplier: float,
-                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH) -> Mechanism:
+                   threat_model: ThreatModel | str = ThreatModel.KNOWN_SKETCH,
+                   placement: NoisePlacement | str = NoisePlacement.CLIENT) -> Mechanism:
     """SGMV (paper Def. 2.3): R_v vec(clip(B)) + xi with xi in R^h; ``sketch_dim`` is h (the paper uses h = b r)."""
-    return Mechanism(VectorSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model))
+    return Mechanism(VectorSketch(sketch_dim), clip_norm, noise_multiplier, ThreatModel(threat_model),
+                     NoisePlacement(placement))

@@ -18,7 +18,8 @@ from flwr.serverapp.strategy import Result, Strategy
 from flwr.supercore import log
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED, Checkpoint
-from fedlora.federation import GlobalState, Protocol, derive_seed, num_bytes
+from fedlora.mechanisms import NoisePlacement
+from fedlora.federation import LORA, GlobalState, Protocol, derive_seed, num_bytes
 from fedlora.privacy import PrivacyLedger, SamplingScheme
 
 
@@ -58,13 +59,16 @@ class FedLoRAStrategy(Strategy):
         self.in_flight = False
         self.replay = False  # resumed with seeded noise: the interrupted release is sent again, bit for bit
         self.status, self.reason = RUNNING, ""
+        self.clip_norm = self.config.clip_norm  # moves each round under adaptive clipping
+        self.optimizer = protocol.new_optimizer()  # message = update: applies the mean update
 
     # -- checkpoints -----------------------------------------------------------------------------
     def checkpoint(self) -> Checkpoint:
         return Checkpoint(self.state, self.rounds_done, self.releases, self.in_flight,
                           self.ledger.to_dict() if self.ledger is not None else None,
                           status=self.status, reason=self.reason, simulated=self.simulated,
-                          secret_fingerprint=self.secret_fingerprint)
+                          secret_fingerprint=self.secret_fingerprint, clip_norm=self.clip_norm,
+                          optimizer=dict(self.optimizer.state) if self.optimizer is not None else {})
 
     def restore(self, saved: Checkpoint) -> None:
         """Continues from ``saved``.
@@ -79,6 +83,9 @@ class FedLoRAStrategy(Strategy):
         self.state, self.rounds_done, self.releases = saved.state, saved.rounds_done, saved.releases
         self.ledger = PrivacyLedger.from_dict(saved.ledger) if saved.ledger is not None else None
         self.secret_fingerprint = saved.secret_fingerprint
+        self.clip_norm = saved.clip_norm if saved.clip_norm is not None else self.config.clip_norm
+        if self.optimizer is not None:
+            self.optimizer.state = dict(saved.optimizer)
         self.replay = saved.in_flight and self.config.noise_source == "seeded"
         self.in_flight = saved.in_flight and not self.replay
         if saved.in_flight and not self.replay:
@@ -131,7 +138,7 @@ class FedLoRAStrategy(Strategy):
             if self.ledger is not None and not self.replay and self.ledger.would_exceed_budget(*self._release(server_round)):
                 after = self.ledger.report_after(*self._release(server_round)).epsilon
                 self._stop(BUDGET_SPENT, f"round {server_round} would bring epsilon to {after:.3f} "
-                                         f"({self.ledger.threat_model}), past the budget {self.ledger.target_epsilon:g}")
+                                         f"({self.ledger.trust_model}), past the budget {self.ledger.target_epsilon:g}")
                 return None
             messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
             arrays, _ = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
@@ -231,6 +238,7 @@ class FedLoRAStrategy(Strategy):
             **dict(config), "server-round": server_round, "release": release, "produced-by": self.state.produced_by,
             "noise-multiplier": float(c.noise_multiplier),
             "probe-noise-multiplier": float(c.probe_noise_multiplier),
+            "clip-norm": float(self.clip_norm),
             # known-sketch: the release's sketch seed is public; secret-sketch: clients derive it themselves
             "sketch-seed": int(c.sketch_seed) if self.config.threat_model == "known-sketch" else -1,
         })
@@ -267,13 +275,16 @@ class FedLoRAStrategy(Strategy):
             problem = "it carries no arrays"
         else:
             release = dict(reply.content["arrays"].to_torch_state_dict())
-            problem = self.protocol.release_problem(release, self.template, round_=server_round,
-                                                    rank=self.protocol.client_rank(partition))
+            bits = reply.content.array_records.get("clip-bit")
+            bit = bits.to_torch_state_dict().get("bit") if bits is not None else None
+            problem = self.protocol.release_problem(
+                release, self.template, round_=server_round, rank=self.protocol.client_rank(partition),
+                clip_norm=self.clip_norm, clip_bit=bit)
         if problem:
             log(WARNING, "Round %s: rejected the reply of partition %s: %s.", server_round, partition, problem)
             return None
         partitions.discard(partition)  # one reply per sampled client
-        return partition, release
+        return partition, release, float(bit) if self.protocol.clipping is not None else None
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
@@ -281,7 +292,8 @@ class FedLoRAStrategy(Strategy):
         info = self.rounds[server_round]
         replies = list(replies)
         pending = set(info["partitions"])
-        valid = sorted(v for r in replies if (v := self._valid(r, server_round, pending)) is not None)  # by partition
+        valid = sorted((v for r in replies if (v := self._valid(r, server_round, pending)) is not None),
+                       key=lambda v: v[0])  # by partition
         failed = sum(r.has_error() for r in replies)
         info.update(replies=len(valid), failed=failed, rejected=len(replies) - failed - len(valid), bytes_up=0,
                     train_loss=float("nan"))
@@ -289,18 +301,36 @@ class FedLoRAStrategy(Strategy):
             self.save()  # the failed release stays counted
             return None, None
         self.in_flight = False
-        if not valid:  # Poisson sampled nobody: nothing changes
+        info["clip_norm"] = self.clip_norm
+        protocol = self.protocol
+        server_noise = protocol.server_noise(info["release"])
+        if not valid and protocol.placement is NoisePlacement.CLIENT:  # Poisson sampled nobody: nothing is released
             return to_arrays(self.state.message), MetricRecord({"replies": 0})
-        releases = [release for _, release in valid]
+        # noise at the server is released even for an empty round: an absent client must change nothing visible
+        releases = [release for _, release, _ in valid] or [self._zero_release(server_round)]
         by_partition = {r.metadata.src_node_id: r for r in replies if r.has_content()}
-        metrics = [by_partition[self.nodes[p]].content["metrics"] for p, _ in valid]
+        metrics = [by_partition[self.nodes[p]].content["metrics"] for p, _, _ in valid]
         started = time.time()
-        self.state = self.protocol.aggregate(releases, server_round, self.state, release=info["release"])
+        self.state = protocol.aggregate(releases, server_round, self.state, release=info["release"],
+                                        clip_norm=self.clip_norm, noise=server_noise, optimizer=self.optimizer)
+        if protocol.clipping is not None and protocol.phase(server_round) == LORA:
+            fraction = protocol.clipping.noisy_fraction([bit for _, _, bit in valid],
+                                                        protocol.denominator(len(valid)), server_noise)
+            self.clip_norm = protocol.clipping.next_clip_norm(self.clip_norm, fraction)
+            info["clip_fraction"] = fraction
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
-                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]))
+                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]) if metrics else np.nan)
                        for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
-        return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": len(valid)})
+        del releases, valid  # with noise at the server, no single message outlives the aggregation
+        return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
+
+    def _zero_release(self, server_round: int) -> dict[str, torch.Tensor]:
+        """The release of a round without clients: zeros in the released shapes."""
+        mechanism = self.protocol.mechanism_for(server_round)
+        shapes = mechanism.released_shapes(self.protocol.expected_message(self.template, server_round,
+                                                                          self.config.rank))
+        return {n: torch.zeros(shape, dtype=self.template[n].dtype) for n, shape in shapes.items()}
 
     def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                            grid: Grid) -> Iterable[Message]:

@@ -11,6 +11,10 @@
   and Kasiviswanathan 2019, Thm 9, via autodp), composed over rounds by adding RDP and converted
   with dp-accounting's ``compute_epsilon``. Poisson sampling is refused there: the shared-sketch
   bound needs the number of clients that share a sketch, which Poisson sampling does not fix.
+- Where the noise is added does not change the number: with noise at the server the sum of the
+  round's clipped messages gets N(0, z^2 tau^2), the Gaussian mechanism each client's own noise
+  gives under noise at the client, with the same sensitivity. It changes who the guarantee holds
+  against, so every report names it (``placement``); the secret-sketch bound is refused there.
 """
 
 from __future__ import annotations
@@ -27,13 +31,14 @@ from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
 from fedlora.privacy.curves import sketched_rdp
 from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, Sampling, SamplingScheme,
-                                    SketchedRelease)
+                                    SketchedRelease, trust_label)
 
 # Renyi orders: dense where small epsilons are optimal, sparse in the tail.
 ORDERS = np.array([1 + x / 20 for x in range(1, 60)] + [4 + x / 4 for x in range(28)]
                   + list(range(11, 64)) + [64, 80, 96, 128, 192, 256], dtype=float)
 
 THREAT_MODELS = ("known-sketch", "secret-sketch")
+PLACEMENTS = ("client", "server")
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,14 @@ def _check_threat_model(phases: Sequence[Phase], threat_model: str) -> None:
         raise ValueError("A secret-sketch release cannot be accounted under the known-sketch threat model.")
 
 
+def _check_placement(phases: Sequence[Phase], placement: str) -> None:
+    if placement not in PLACEMENTS:
+        raise ValueError(f"Unknown noise placement '{placement}'; choose one of {', '.join(PLACEMENTS)}.")
+    if placement == "server" and any(isinstance(p, SketchedRelease) for ph in phases for p in ph.release):
+        raise ValueError("The secret-sketch bound holds for noise on every client's message, not for noise at the "
+                         "server.")
+
+
 def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> None:
     if len({p.sampling.kind for p in phases}) > 1:
         raise ValueError("Phases with different sampling kinds use different neighbour relations (replace-one "
@@ -172,18 +185,21 @@ def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> N
                                  f"the release is accounted for {part.clients_per_round}: that bound is unsound.")
 
 
-def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, use_pld: bool = True,
-            allow_unsound_per_message: bool = False) -> PrivacyReport:
-    """The client-level (epsilon, delta) of all ``phases`` composed.
+def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placement: str = "client",
+            use_pld: bool = True, allow_unsound_per_message: bool = False) -> PrivacyReport:
+    """The client-level (epsilon, delta) of all ``phases`` composed, labelled with the threat model and
+    where the noise was added.
 
     ``allow_unsound_per_message`` lets a secret-sketch release be accounted per message although its
     sketch is shared (the paper's analysis): only for showing the paper's numbers, labelled UNSOUND.
     """
     _check_delta(delta)
     _check_threat_model(phases, threat_model)
+    _check_placement(phases, placement)
     _check_phases(phases, allow_unsound_per_message)
     unsound = any(isinstance(part, SketchedRelease) and part.clients_per_round < (p.sampling.clients_per_round or 1)
                   for p in phases for part in p.release)
+    threat_model = trust_label(threat_model, placement)
     if unsound:
         threat_model = f"{threat_model}, per-message analysis: UNSOUND for shared sketches"
     sampling = "+".join(sorted({p.sampling.kind.value for p in phases})) or "none"
@@ -208,7 +224,7 @@ class Calibration:
 
 
 def calibrate(phases_for: Callable[[float], Sequence[Phase]], *, target_epsilon: float, delta: float,
-              threat_model: str, tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3,
+              threat_model: str, placement: str = "client", tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3,
               allow_unsound_per_message: bool = False) -> Calibration:
     """The smallest noise multiplier (to ``tolerance`` relative) whose epsilon is <= ``target_epsilon``.
 
@@ -220,7 +236,7 @@ def calibrate(phases_for: Callable[[float], Sequence[Phase]], *, target_epsilon:
     _check_delta(delta)
 
     def eps_at(z: float) -> PrivacyReport:
-        return epsilon(phases_for(z), delta=delta, threat_model=threat_model,
+        return epsilon(phases_for(z), delta=delta, threat_model=threat_model, placement=placement,
                        allow_unsound_per_message=allow_unsound_per_message)
 
     hi = 1.0

@@ -15,6 +15,11 @@ class Sampling(str, Enum):
     POISSON = "poisson"  # each client independently with rate q; add/remove-one neighbours
 
 
+def trust_label(threat_model: str, placement: str) -> str:
+    """How every epsilon is labelled: who may know the sketch, and where the noise is added."""
+    return f"{threat_model}, noise at the {placement}"
+
+
 @dataclass(frozen=True)
 class GaussianRelease:
     """A Gaussian mechanism on the whole clipped message (GM, or a sketch whose R the adversary knows)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fedlora.privacy.accounting import PrivacyReport, epsilon
 from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, SamplingScheme,
-                                    SketchedRelease)
+                                    SketchedRelease, trust_label)
 
 _RELEASES = {cls.__name__: cls for cls in (GaussianRelease, SketchedRelease, NonPrivateRelease)}
 
@@ -24,6 +24,12 @@ class PrivacyLedger:
     target_epsilon: float | None = None  # the budget; None: record without a limit
     phases: list[Phase] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # one entry per recorded round
+    placement: str = "client"  # where the noise is added: part of every epsilon's label
+
+    @property
+    def trust_model(self) -> str:
+        """The label of every epsilon this ledger reports: threat model and noise placement."""
+        return trust_label(self.threat_model, self.placement)
 
     def _with_release(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> list[Phase]:
         """The phases with one more release of phase ``name`` (a new phase if the last one is another)."""
@@ -39,11 +45,12 @@ class PrivacyLedger:
         """The guarantee after the releases recorded so far."""
         if not self.phases:
             raise ValueError("The ledger has recorded nothing yet.")
-        return epsilon(self.phases, delta=self.delta, threat_model=self.threat_model)
+        return epsilon(self.phases, delta=self.delta, threat_model=self.threat_model, placement=self.placement)
 
     def report_after(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> PrivacyReport:
         """The guarantee if one more release of phase ``name`` were recorded (nothing is recorded)."""
-        return epsilon(self._with_release(name, release, sampling), delta=self.delta, threat_model=self.threat_model)
+        return epsilon(self._with_release(name, release, sampling), delta=self.delta, threat_model=self.threat_model,
+                       placement=self.placement)
 
     @property
     def epsilon(self) -> float:
@@ -65,13 +72,13 @@ class PrivacyLedger:
         self.phases = self._with_release(name, release, sampling)
         report = self.report()
         self.history.append({"phase": name, "round": self.rounds, "epsilon": report.epsilon,
-                             "delta": self.delta, "threat_model": self.threat_model, "method": report.method})
+                             "delta": self.delta, "threat_model": report.threat_model, "method": report.method})
         return report
 
     def to_dict(self) -> dict:
         """JSON-ready state, for checkpoints."""
         return {"delta": self.delta, "threat_model": self.threat_model, "target_epsilon": self.target_epsilon,
-                "history": list(self.history),
+                "placement": self.placement, "history": list(self.history),
                 "phases": [{"name": p.name, "rounds": p.rounds,
                             "sampling": {**dataclasses.asdict(p.sampling), "kind": p.sampling.kind.value},
                             "release": [{"type": type(r).__name__, **dataclasses.asdict(r)} for r in p.release]}
@@ -82,4 +89,5 @@ class PrivacyLedger:
         phases = [Phase(p["name"],
                         tuple(_RELEASES[r["type"]](**{k: v for k, v in r.items() if k != "type"}) for r in p["release"]),
                         SamplingScheme(**p["sampling"]), p["rounds"]) for p in state["phases"]]
-        return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases, list(state["history"]))
+        return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases, list(state["history"]),
+                   state.get("placement", "client"))
