@@ -40,7 +40,7 @@ import torch
 from scipy import optimize, special, stats
 
 from fedlora.algorithms import LoRAMode
-from fedlora.mechanisms import Mechanism, ThreatModel
+from fedlora.mechanisms import Mechanism, NoisePlacement, ThreatModel
 from fedlora.privacy.accounting import epsilon as accountant_epsilon
 from fedlora.privacy.events import Phase, SamplingScheme
 from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, side_of
@@ -293,6 +293,10 @@ def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), 
     """
     if mechanism.clip_norm is None:
         raise ValueError("An audit needs a clip norm: the neighbouring messages sit at it.")
+    label = mechanism.trust_model
+    # Noise at the server: whoever sees the noisy sum and knows the round's other messages (DP fixes everyone but
+    # the target) sees the target's constrained message plus the server's noise, the release audited here.
+    mechanism = replace(mechanism, placement=NoisePlacement.CLIENT)
     if trials < 100:
         raise ValueError(f"An audit needs at least 100 trials per hypothesis, got {trials}.")
     m, r = shape
@@ -340,7 +344,7 @@ def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), 
                                       delta=delta)
     bound = epsilon_lower_bound(scores[1], scores[0], delta=delta, confidence=confidence, seed=seed)
     return summarize(mechanism_name(mechanism, 1 if knows_r else clients_per_round), "mechanism", scores[1],
-                     scores[0], threat_model=mechanism.threat_model.value, attack=attack, empirical_epsilon=bound,
+                     scores[0], threat_model=label, attack=attack, empirical_epsilon=bound,
                      empirical_kind=f"lower bound at {confidence:.0%} confidence, Clopper-Pearson",
                      accountant=accountant, delta=delta, noise_multiplier=mechanism.noise_multiplier,
                      claimed=claimed, seconds=time.perf_counter() - started)

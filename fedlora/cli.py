@@ -113,10 +113,15 @@ def _validate_privacy(args: argparse.Namespace) -> None:
         if args.threat_model == "secret-sketch" and args.sampling == "poisson":
             raise CLIError("Secret-sketch accounting supports fixed-size sampling only (the shared-sketch bound "
                            "needs the number of clients per round): use --sampling fixed.")
+        if args.threat_model == "secret-sketch" and args.noise_placement == "server":
+            raise CLIError("--noise-placement server needs --threat-model known-sketch: the secret-sketch bound is "
+                           "derived for noise on every client's message.")
+    if args.clip_count_stddev is not None and not args.clip_count_stddev > 0:
+        raise CLIError(f"--clip-count-stddev must be positive, got {args.clip_count_stddev:g}.")
 
 
 def privacy(args: argparse.Namespace) -> dict:
-    from fedlora.privacy import Phase, SamplingScheme, calibrate, epsilon
+    from fedlora.privacy import GaussianRelease, Phase, SamplingScheme, calibrate, epsilon
     from fedlora.privacy.paper import round_release
 
     analysis = args.threat_model
@@ -129,16 +134,20 @@ def privacy(args: argparse.Namespace) -> dict:
     def phases(z: float):
         release = round_release(args.strategy, z, analysis, rank=args.rank, sketch_dim=args.sketch_dim,
                                 clients_per_round=clients)
+        if args.clip_count_stddev:  # adaptive clipping's count: a Gaussian of multiplier 2 sigma_b (fedlora.clipping)
+            release += (GaussianRelease(2 * args.clip_count_stddev),)
         return [Phase("lora", release, sampling, args.rounds)]
 
+    where = {"threat_model": analysis, "placement": args.noise_placement}
     if args.target_epsilon is not None:
-        calibration = calibrate(phases, target_epsilon=args.target_epsilon, delta=args.delta, threat_model=analysis)
+        calibration = calibrate(phases, target_epsilon=args.target_epsilon, delta=args.delta, **where)
         z, report = calibration.noise_multiplier, calibration.report
     else:
         z = args.noise_multiplier
-        report = epsilon(phases(z), delta=args.delta, threat_model=analysis)
+        report = epsilon(phases(z), delta=args.delta, **where)
     return {"strategy": args.strategy, "epsilon": report.epsilon, "delta": args.delta, "noise_multiplier": z,
-            "target_epsilon": args.target_epsilon, "threat_model": analysis, "sampling": args.sampling,
+            "target_epsilon": args.target_epsilon, "threat_model": analysis, "noise_placement": args.noise_placement,
+            "clip_count_stddev": args.clip_count_stddev, "sampling": args.sampling,
             "sampling_rate": sampling.q, "num_clients": args.num_clients,
             "clients_per_round": clients if args.sampling == "fixed" else None, "rounds": args.rounds,
             "rank": args.rank, "sketch_dim": args.sketch_dim, "method": report.method, "rdp_order": report.order,
@@ -154,7 +163,9 @@ def _print_privacy(result: dict) -> None:
           f"rank {result['rank']}{sketch}")
     how = (f"calibrated for target epsilon {result['target_epsilon']:g}" if result["target_epsilon"] is not None
            else "given")
-    print(f"noise multiplier z = {result['noise_multiplier']:.4g} ({how})")
+    count = (f"; adaptive clipping's count noise {result['clip_count_stddev']:g}, accounted with it"
+             if result["clip_count_stddev"] else "")
+    print(f"noise multiplier z = {result['noise_multiplier']:.4g} ({how}){count}")
     print(result["summary"])
 
 
@@ -202,7 +213,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
     if config.linear_probe_rounds():
         print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
-    print(f"  mechanism: {protocol.mechanism.describe()}")
+    print(f"  mechanism: {protocol.describe()}")
     if plan.planned is not None:
         print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
         budget = config.budget()
@@ -211,7 +222,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
                                                             sampling_of(config)):
                 raise CLIError(f"The budget epsilon = {budget:g} does not cover one round at noise multiplier "
                                f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
-            print(f"  budget: epsilon = {budget:g} ({config.threat_model}); the run stops before the round that "
+            print(f"  budget: epsilon = {budget:g} ({protocol.mechanism.trust_model}); the run stops before the round that "
                   "would pass it")
     return out_dir
 
@@ -345,7 +356,8 @@ def audit(args: argparse.Namespace) -> dict:
         raise CLIError(f"'{out_dir}' is not empty: choose another --out.")
     algorithm = get_algorithm(config.strategy)
     mechanism = make_mechanism(algorithm, clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
-                               sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model)
+                               sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model,
+                               placement=config.noise_placement)
     m = next(iter(adapted_layer_shapes(config.model, targets=config.targets).values()))[0]
     say = (lambda line: None) if args.json else print
     say(f"fedlora audit: {config.strategy}, {mechanism.describe()}")
@@ -457,6 +469,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sketch-dim", type=_positive, help="b for SGMM (default 150), h for SGMV (default 150 r)")
     p.add_argument("--model", default="vit-b16", choices=list(MODELS), help="whose layer sizes bound the sketch")
     p.add_argument("--threat-model", default="known-sketch", choices=["known-sketch", "secret-sketch"])
+    p.add_argument("--noise-placement", default="client", choices=["client", "server"],
+                   help="noise on every client's message (default, the paper's), or on their sum at the server")
+    p.add_argument("--clip-count-stddev", type=_float_arg, help="adaptive clipping: the noise on the clip count, "
+                                                                "composed with the update's")
     p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
     p.add_argument("--paper-table", action="store_true", help="the paper's noise table beside ours")
     p.add_argument("--json", action="store_true", help="print one JSON object")

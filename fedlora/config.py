@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 from functools import lru_cache
 import sys
 from dataclasses import dataclass, field, fields
@@ -283,6 +284,10 @@ class RunConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         return {self.key(f.name): getattr(self, f.name) for f in fields(self)}
+
+    def to_assignments(self) -> list[str]:
+        """``key=value`` for every key, as `--set` takes them."""
+        return [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in self.to_mapping().items()]
 
 
 def _choice_problem(key: str, value: Any, choices: tuple) -> str:

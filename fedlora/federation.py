@@ -84,6 +84,17 @@ class Protocol:
                          if config.clip_quantile and self.algorithm.private else None)
         self.sketch_seed = derive_seed(config.seed, "sketch", config.threat_model)
 
+    def describe(self) -> str:
+        """One line: the mechanism, then what clients send and how the clip norm is chosen, where not the paper's."""
+        c, parts = self.config, [self.mechanism.describe()]
+        if self.sends_updates:
+            momentum = f", momentum {c.server_momentum:g}" if c.server_optimizer != "sgd" else ""
+            parts.append(f"clients send updates, applied by server {c.server_optimizer} (lr {c.server_lr:g}{momentum})")
+        if self.clipping is not None:
+            parts.append(f"adaptive clip norm from {c.clip_norm:g}, tracking the {c.clip_quantile:g} quantile (step "
+                         f"{c.clip_lr:g}, count noise {self.clipping.count_stddev:g}, accounted)")
+        return "; ".join(parts)
+
     # -- phases (head = probe: a private linear probe, then LoRA with the head frozen) -------------
     def phase(self, round_: int) -> str:
         return PROBE if round_ <= self.config.linear_probe_rounds() else LORA

@@ -102,7 +102,8 @@ def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=pr
     accountant = strategy.ledger.report().epsilon if strategy.ledger is not None else math.inf
     return summarize(f"{config.strategy} run, {canaries} canaries ({inserted} included) of {config.num_clients} "
                      f"clients, {len(states) - 1} rounds", "federation", scores_in, scores_null,
-                     threat_model=config.threat_model, attack="largest cosine of a canary with a round's model update",
+                     threat_model=protocol.mechanism.trust_model,
+                     attack="largest cosine of a canary with a round's model update",
                      empirical_epsilon=one_run_lower_bound(scores, included, delta=config.delta),
                      empirical_kind=f"lower bound at {CONFIDENCE:.0%} confidence, one run (Steinke, Nasr and "
                      "Jagielski 2023)", accountant=accountant, delta=config.delta,

@@ -94,7 +94,7 @@ class FedLoRAStrategy(Strategy):
 
     def summary(self) -> None:
         c = self.config
-        log(INFO, "\t├── %s: %s", c.strategy, self.protocol.mechanism.describe())
+        log(INFO, "\t├── %s: %s", c.strategy, self.protocol.describe())
         log(INFO, "\t├── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
             self.sampling.q)
         log(INFO, "\t└── a round needs %s valid replies, else it is retried (at most %s times)",

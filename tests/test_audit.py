@@ -217,11 +217,16 @@ def test_canary_run_catches_a_non_private_strategy(tmp_path):
     assert (tmp_path / "run" / "metrics.jsonl").is_file()  # a real run, with its run directory
 
 
-def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_path):
+@pytest.mark.parametrize("levers", [[], ["noise-placement=server", "message=update", "server-optimizer=momentum",
+                                          "clip-quantile=0.5"]], ids=["paper", "server-update-adaptive"])
+def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_path, levers):
+    """Also with noise at the server and updates: the canaries are scored on the global model round by round,
+    what that placement's adversary sees."""
     from strategies.canary_audit import audit_federation
 
-    config = _canary_config("sgmm-ffa-lora")
+    config = load_config(None, [*_canary_config("sgmm-ffa-lora").to_assignments(), *levers])
     result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
+    assert result.threat_model == f"known-sketch, noise at the {config.noise_placement}"
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])  # the run's own ledger
     assert result.accountant_epsilon <= config.target_epsilon
@@ -239,7 +244,7 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
         for key in ("auc", "tpr_at_fpr_0.01", "tpr_at_fpr_0.1", "empirical_epsilon", "accountant_epsilon",
                     "threat_model"):
             assert key in result
-    assert printed["threat_model"] == "known-sketch" and printed["strategy"] == "sgmm-ffa-lora"
+    assert printed["threat_model"] == "known-sketch, noise at the client" and printed["strategy"] == "sgmm-ffa-lora"
     assert json.loads((tmp_path / "a" / "audit.json").read_text()) == printed
 
 

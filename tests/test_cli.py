@@ -103,3 +103,17 @@ def test_paper_table(capsys):
         assert z["per-message"] < z["secret-sketch"] < z["known-sketch"]
     assert main(["privacy", "--paper-table"]) == 0
     assert "| sgmm-ffa-lora | 1.45 |" in capsys.readouterr().out
+
+
+def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
+    client = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
+    server = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
+                            "--noise-placement", "server"])
+    assert server["epsilon"] == client["epsilon"] and server["noise_placement"] == "server"
+    assert "noise at the server" in server["summary"] and "noise at the client" in client["summary"]
+    counted = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
+                             "--noise-placement", "server", "--clip-count-stddev", "2"])
+    assert counted["epsilon"] > server["epsilon"]  # the count is a release too
+    assert main(["privacy", "--strategy", "sgmm-ffa-lora", "--noise-multiplier", "1", "--threat-model",
+                 "secret-sketch", "--noise-placement", "server"]) == 2
+    assert "needs --threat-model known-sketch" in capsys.readouterr().err

@@ -108,3 +108,31 @@ def test_one_vocabulary_everywhere():
     assert load_config(root / "configs" / "quickstart.toml") == RunConfig()
     paper = load_config(root / "configs" / "paper_cifar100.toml")
     assert (paper.num_clients, paper.clients_per_round, paper.num_rounds, paper.sketch_dim) == (625, 4, 400, 150)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"noise-placement": "central"}, "noise-placement must be one of client, server, got 'central'"),
+    ({"message": "delta"}, "message must be one of adapter, update"),
+    ({"server-optimizer": "lamb", "message": "update"}, "server-optimizer must be one of sgd, momentum, adam"),
+    ({"clip-quantile": 1.0}, "clip-quantile must be < 1, got 1.0"),
+    ({"clip-quantile": -0.1}, "clip-quantile must be >= 0"),
+    ({"server-momentum": 1.0, "message": "update"}, "server-momentum must be < 1"),
+    ({"noise-placement": "server", "threat-model": "secret-sketch"}, 'noise-placement = "server" needs threat-model'),
+    ({"noise-placement": "server", "strategy": "ffa-lora"}, "ffa-lora adds no noise"),
+    ({"message": "update", "strategy": "sgmm-flexlora"}, 'message = "update" needs an FFA strategy'),
+    ({"server-optimizer": "adam"}, 'server-optimizer and server-lr apply to message = "update"'),
+    ({"clip-quantile": 0.5, "strategy": "flexlora"}, "flexlora clips nothing"),
+    ({"clip-quantile": 0.5, "head": "probe"}, 'not supported with head = "probe"'),
+    ({"clip-lr": 0.5}, "clip-lr and clip-count-stddev apply to adaptive clipping"),
+])
+def test_unsupported_levers_are_one_line_each(values, message):
+    with pytest.raises(ConfigError) as error:
+        RunConfig.from_mapping(values)
+    assert len(error.value.problems) == 1 and message in error.value.problems[0]
+
+
+def test_several_lever_problems_give_one_line_each():
+    with pytest.raises(ConfigError) as error:
+        RunConfig.from_mapping({"noise-placement": "everywhere", "clip-quantile": 2, "message": "update",
+                                "strategy": "gm-flexlora"})
+    assert len(error.value.problems) == 2  # values first; cross-constraints once every value is in range

@@ -39,8 +39,12 @@ def _kill_supernode_after_round_one(out_dir: Path, partition: int, num_nodes: in
 
 
 def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_up(tmp_path):
+    """Also the levers in deployment: noise at the server (from the OS), updates with server momentum, adaptive
+    clipping with the clip bits of real SuperNodes."""
     config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 3,
-                                     "min-replies": 2, "reply-timeout": 45})
+                                     "min-replies": 2, "reply-timeout": 45, "noise-placement": "server",
+                                     "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
+                                     "clip-count-stddev": 5.0})
     lines = []
     killer = _kill_supernode_after_round_one(tmp_path, partition=2, num_nodes=3)
     rows = deploy_locally(config, tmp_path, credentials=None, echo=lines.append)
@@ -49,7 +53,8 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     assert [r["replies"] for r in rows] == [3, 2, 2] and "(2 of 3 replies)" in lines[1]
     assert all(r["accuracy"] is not None for r in rows)
     assert rows[-1]["releases"] == 3  # the lost node's replies never arrived, but its sampling counts
-    assert rows[-1]["threat_model"] == "known-sketch" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert rows[-1]["threat_model"] == "known-sketch, noise at the server" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert len({r["clip_norm"] for r in rows}) == 3  # the clip norm moved every round
     assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
     assert not leftover_flower_processes()
@@ -61,7 +66,7 @@ def test_a_tls_deployment_with_node_auth_keeps_the_sketch_secret_on_the_nodes(tm
     out = tmp_path / "run"
     rows = deploy_locally(config, out, credentials=credentials, echo=lambda line: None)
     assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
-    assert rows[-1]["threat_model"] == "secret-sketch" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert rows[-1]["threat_model"] == "secret-sketch, noise at the client" and rows[-1]["epsilon"] <= config.target_epsilon
     assert all(r["accuracy"] is None for r in rows)  # the server cannot de-sketch: it never had the secret
     secret = (credentials.node_dir(0) / "sketch-secret").read_text().strip()
     server_side = [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts]
@@ -115,7 +120,7 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
-    assert rows[-1]["threat_model"] == "known-sketch" and (tmp_path / "run" / "adapter").is_dir()
+    assert rows[-1]["threat_model"] == "known-sketch, noise at the client" and (tmp_path / "run" / "adapter").is_dir()
     deadline = time.time() + 60  # killed SuperNodes' SuperExecs notice their parent is gone and exit
     while leftover_flower_processes() and time.time() < deadline:
         time.sleep(1)

@@ -173,3 +173,59 @@ def test_nodes_must_share_one_sketch_secret(tmp_path):
         reconstruct(tmp_path / "ok", b, echo=lambda line: None)
     accuracy, _ = reconstruct(tmp_path / "ok", a, echo=lambda line: None)
     assert 0 <= accuracy <= 1 and (tmp_path / "ok" / "adapter" / "adapter_config.json").exists()
+
+
+# -- the levers: noise placement, update form, adaptive clipping -------------------------------------
+LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
+          "clip-count-stddev": 2.0, "target-epsilon": 30.0}
+
+
+@pytest.mark.parametrize("strategy_name", ["sgmm-ffa-lora", "sgmv-ffa-lora", "gm-ffa-lora", "sgmm-flexlora",
+                                           "gm-flexlora"])
+def test_every_private_strategy_runs_with_noise_at_the_server(tmp_path, strategy_name):
+    ffa = "ffa" in strategy_name
+    levers = LEVERS if ffa else {"noise-placement": "server", "clip-quantile": 0.5, "clip-count-stddev": 2.0,
+                                 "target-epsilon": 30.0}  # FlexLoRA keeps the adapter form
+    strategy, _, config = _run(tmp_path, strategy=strategy_name, **{k.replace("-", "_"): v for k, v in levers.items()})
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["threat_model"] == "known-sketch, noise at the server" and r["replies"] == 3 for r in rows)
+    assert rows[-1]["epsilon"] <= 30.0 and rows[0]["clip_norm"] == 1.0 and rows[1]["clip_norm"] != 1.0
+    assert strategy.state.produced_by == (DENSE if ffa or not strategy.protocol.algorithm.sketched else 2)
+    if ffa:  # updates keep the global state dense, and the optimizer's momentum for every entry sent
+        assert all(side_of(n) is not Side.LEFT or t.shape == (192, 4) for n, t in strategy.state.message.items())
+        assert set(strategy.optimizer.state) == {f"momentum/{n}" for n in strategy.state.message
+                                                 if side_of(n) is Side.LEFT or n.startswith("classifier.")}
+
+
+def test_updates_at_server_lr_1_without_noise_are_fedavg_of_the_local_adapters(tmp_path):
+    adapters, _, _ = _run(tmp_path / "adapter", strategy="ffa-lora", num_rounds=3)
+    updates, _, _ = _run(tmp_path / "update", strategy="ffa-lora", message="update", server_optimizer="sgd",
+                         server_lr=1.0, num_rounds=3)
+    for name, t in adapters.state.message.items():
+        torch.testing.assert_close(updates.state.message[name], t, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("placement", ["client", "server"])
+@pytest.mark.parametrize("strategy_name", ["gm-ffa-lora", "sgmm-ffa-lora"])
+def test_the_noise_on_the_aggregate_has_the_stated_deviation(placement, strategy_name):
+    """All clients send zero: the aggregate is pure noise, with std z tau / N at the server and z tau / sqrt(N)
+    at the client, per entry (of the sketched space for SGMM). Fixed seed; 3% tolerance (several thousand entries:
+    the sample std's own error is under 1.5%)."""
+    from fedlora.federation import Protocol
+    from fedlora.config import RunConfig
+
+    n, z = 8, 1.5
+    config = RunConfig.from_mapping({"strategy": strategy_name, "noise-placement": placement, "noise-multiplier": z,
+                                     "target-epsilon": 0, "clients-per-round": n, "sketch-dim": 32})
+    protocol = Protocol(config, z)
+    initial = protocol.initial_state(protocol.build_model())
+    shapes = protocol.mechanism.released_shapes(protocol.expected_message(initial.message, 1, config.rank))
+    zeros = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    releases = [protocol.privatize(zeros, round_=1, release=1, noise=torch.Generator().manual_seed(c))[0]
+                for c in range(n)]
+    state = protocol.aggregate(releases, 1, initial, clip_norm=config.clip_norm,
+                               noise=torch.Generator().manual_seed(99))
+    noise = torch.cat([state.message[name].reshape(-1) for name in shapes])
+    expected = z * config.clip_norm / (n if placement == "server" else n ** 0.5)
+    assert noise.numel() > 2000 and float(noise.std()) == pytest.approx(expected, rel=0.03)
+    assert abs(float(noise.mean())) < 4 * expected / noise.numel() ** 0.5

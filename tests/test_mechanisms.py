@@ -124,3 +124,27 @@ def test_os_noise_is_gaussian_and_unpredictable():
     assert a.shape == t.shape and a.dtype == torch.float32 and not torch.equal(a, b)
     assert stats.kstest(a.double().numpy() / 2.0, "norm").pvalue > 1e-4
     assert abs(float(a.std()) - 2.0) < 0.03
+
+
+def test_noise_at_the_server_leaves_the_release_clean_and_noises_the_sum():
+    """The client's release is only constrained (clipped, sketched, clipped); the server's step adds the noise."""
+    message = _message(scale=5.0)
+    for make in (lambda p: gaussian_mechanism(clip_norm=1.0, noise_multiplier=2.0, placement=p),
+                 lambda p: sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=2.0, placement=p)):
+        server, client = make("server"), make("client")
+        clean = server.privatize(message, key=KEY, noise=torch.Generator().manual_seed(0))
+        assert message_norm(clean) <= 1.0 and all(torch.equal(clean[n], t)
+                                                  for n, t in server.constrain(message, key=KEY).items())
+        assert message_norm(client.privatize(message, key=KEY)) > 5  # the client's own noise
+        assert all(torch.equal(client.noise_sum(clean, None)[n], t) for n, t in clean.items())  # nothing added
+        noisy = server.noise_sum(clean, torch.Generator().manual_seed(1))
+        assert message_norm({n: noisy[n] - clean[n] for n in clean}) > 5
+        # no noise in the reply: the allowance is the clip norm itself, so an unclipped reply is caught
+        assert server.norm_allowance({n: tuple(t.shape) for n, t in message.items()}) == 1.0
+        assert "noise at the server" in server.describe() and "noise at the client" in client.describe()
+
+
+def test_noise_at_the_server_refuses_a_secret_sketch():
+    with pytest.raises(ValueError, match="known-sketch"):
+        sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=1.0, threat_model="secret-sketch",
+                       placement="server")

@@ -135,7 +135,7 @@ def test_ledger_after_t_rounds_equals_the_accountant():
     assert [r.epsilon for r in reports] == sorted(r.epsilon for r in reports)
     assert ledger.rounds == 20 and len(ledger.history) == 20
     assert ledger.epsilon == pytest.approx(epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch").epsilon)
-    assert ledger.history[-1]["threat_model"] == "known-sketch"
+    assert ledger.history[-1]["threat_model"] == "known-sketch, noise at the client"
     restored = PrivacyLedger.from_dict(ledger.to_dict())
     assert restored.epsilon == ledger.epsilon and restored.history == ledger.history
 
@@ -217,3 +217,37 @@ def test_curves_stay_non_negative_for_huge_noise():
     assert np.all(sketched_rdp(ORDERS, sketch_dim=150, rank=4, noise_multiplier=1e4) >= 0)
     eps = [epsilon(_sgmm(z, 10), delta=1e-5, threat_model="secret-sketch").epsilon for z in (10.0, 100.0, 1e3)]
     assert eps[0] >= eps[1] >= eps[2] >= 0
+
+
+@pytest.mark.parametrize("z", [0.7, 2.0])
+def test_noise_at_the_server_has_the_client_epsilon_and_matches_dp_accounting(z):
+    """The same z, q and T give the same epsilon under either placement (the sum's Gaussian has the client's
+    sensitivity and noise); only the label says who it holds against. Both equal dp-accounting's own number."""
+    sampling = SamplingScheme("fixed", 200, clients_per_round=20)
+    client = epsilon(_gm(z, sampling, 30), delta=1e-5, threat_model="known-sketch", placement="client")
+    server = epsilon(_gm(z, sampling, 30), delta=1e-5, threat_model="known-sketch", placement="server")
+    assert server.epsilon == client.epsilon
+    assert (client.threat_model, server.threat_model) == ("known-sketch, noise at the client",
+                                                          "known-sketch, noise at the server")
+    acc = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.REPLACE_ONE)
+    acc.compose(dp_event.SampledWithoutReplacementDpEvent(200, 20, dp_event.GaussianDpEvent(z / 2)), 30)
+    assert server.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
+    with pytest.raises(ValueError, match="noise at the server"):
+        epsilon(_sgmm(z, 10), delta=1e-5, threat_model="secret-sketch", placement="server")
+    with pytest.raises(ValueError, match="Unknown noise placement"):
+        epsilon(_gm(z, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="nowhere")
+
+
+def test_the_clip_count_raises_the_update_noise_as_andrew_et_al():
+    """With adaptive clipping the calibrated update multiplier is (z^-2 - (2 sigma_b)^-2)^(-1/2), z the multiplier
+    without the count, to the calibration's tolerance."""
+    from fedlora.config import RunConfig
+    from fedlora.experiment import noise_for
+
+    base = {"num-clients": 200, "clients-per-round": 20, "noise-placement": "server", "message": "update"}
+    z = noise_for(RunConfig.from_mapping(base)).noise_multiplier
+    plan = noise_for(RunConfig.from_mapping({**base, "clip-quantile": 0.5, "clip-count-stddev": 2.0}))
+    assert plan.noise_multiplier == pytest.approx((z ** -2 - 4.0 ** -2) ** -0.5, rel=5e-3)
+    assert plan.planned.epsilon <= 8.0 and plan.releases["lora"][-1] == GaussianRelease(4.0)
+    with pytest.raises(ValueError, match="clip count's noise alone"):
+        noise_for(RunConfig.from_mapping({**base, "clip-quantile": 0.5, "clip-count-stddev": 0.3}))

@@ -271,3 +271,76 @@ def test_private_clients_report_no_training_loss(tmp_path):
     _run(tmp_path / "open", num_rounds=1, strategy="ffa-lora")
     assert _rows(tmp_path / "private")[0]["train_loss"] is None
     assert _rows(tmp_path / "open")[0]["train_loss"] > 0
+
+
+# -- the levers' replies and state ------------------------------------------------------------------
+SERVER_UPDATES = {"noise_placement": "server", "message": "update", "server_optimizer": "adam", "server_lr": 0.01,
+                  "clip_quantile": 0.5, "clip_count_stddev": 2.0, "target_epsilon": 30.0}
+
+
+LEVER_FAULTS = {
+    "update above the clip norm": lambda a: {n: t * 1000 for n, t in a.items()},  # no noise to hide in at the server
+    "missing clip bit": None,
+    "clip bit 0.5": 0.5,
+    "clip bit 2": 2.0,
+}
+
+
+def _tamper_bit(value):
+    """A ClientApp whose first training reply of every round loses its clip bit (None) or sends ``value``."""
+    seen = set()
+
+    def app(message, context):
+        reply = client_app(message, context)
+        if message.metadata.message_type == "train":
+            round_ = int(message.content["config"]["server-round"])
+            if round_ not in seen:
+                seen.add(round_)
+                del reply.content["clip-bit"]
+                if value is not None:
+                    reply.content["clip-bit"] = ArrayRecord({"bit": torch.tensor([value], dtype=torch.float64)})
+        return reply
+    return app
+
+
+def test_faulty_updates_and_clip_bits_are_rejected(tmp_path):
+    baseline, _ = _run(tmp_path / "raises", _first_client_of_each_round(None), min_replies=1, num_rounds=2,
+                       **SERVER_UPDATES)
+    for fault, change in LEVER_FAULTS.items():
+        out = tmp_path / fault.replace(" ", "-")
+        client = _first_client_of_each_round(change) if callable(change) else _tamper_bit(change)
+        strategy, _ = _run(out, client, min_replies=1, num_rounds=2, **SERVER_UPDATES)
+        assert [(r["replies"], r["rejected"]) for r in _rows(out)] == [(2, 1)] * 2, fault
+        for name, t in baseline.state.message.items():
+            assert torch.equal(strategy.state.message[name], t), fault
+        assert strategy.clip_norm == baseline.clip_norm
+
+
+def test_a_crashed_run_with_a_server_optimizer_and_adaptive_clip_resumes_to_the_uninterrupted_result(tmp_path):
+    """The optimizer's moments and the clip norm are in the checkpoint: the resumed run is the same run."""
+    reference, _ = _run(tmp_path / "reference", num_rounds=4, **SERVER_UPDATES)
+    out = tmp_path / "crashed"
+    config = {**SMALL, "num-rounds": 4, "out-dir": str(out), **{RunConfig.key(k): v for k, v in SERVER_UPDATES.items()}}
+    context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
+    with pytest.raises(Crash):
+        run_federation(CrashingGrid(client_app, 5, config), context, echo=lambda line: None)
+    saved = Checkpoint.load(out)
+    assert saved.rounds_done == 2 and saved.in_flight and set(saved.optimizer) and saved.clip_norm != 1.0
+    resumed, _ = _resume(out, num_rounds=4, **SERVER_UPDATES)
+    assert [r["round"] for r in _rows(out)] == [1, 2, 3, 4]
+    assert [r["clip_norm"] for r in _rows(out)] == [r["clip_norm"] for r in _rows(tmp_path / "reference")]
+    assert resumed.ledger.epsilon == reference.ledger.epsilon and resumed.clip_norm == reference.clip_norm
+    for name, t in reference.state.message.items():
+        torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)
+    for name, t in reference.optimizer.state.items():
+        torch.testing.assert_close(resumed.optimizer.state[name], t, rtol=1e-5, atol=1e-8)
+
+
+def test_noise_at_the_server_keeps_single_messages_out_of_logs_and_checkpoints(tmp_path, caplog):
+    strategy, _ = _run(tmp_path, _first_client_of_each_round(LEVER_FAULTS["update above the clip norm"]),
+                       min_replies=1, num_rounds=2, **SERVER_UPDATES)
+    rejected = [r.getMessage() for r in caplog.records if "rejected the reply" in r.getMessage()]
+    assert rejected and all("its norm exceeds" in line for line in rejected)  # no norm of a single message
+    saved = Checkpoint.load(tmp_path)
+    assert set(saved.state.message) == set(strategy.template)  # the aggregate only
+    assert all(name.startswith(("momentum/", "adam-")) for name in saved.optimizer)

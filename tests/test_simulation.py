@@ -20,16 +20,23 @@ from tests.helpers import leftover_flower_processes
 TINY = ["num-clients=3", "clients-per-round=2", "local-steps=2", "train-examples=150", "test-examples=60"]
 
 
-def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch):
+LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
+          "clip-count-stddev": 5.0}
+
+
+@pytest.mark.parametrize("levers", [{}, LEVERS], ids=["paper", "server-update-adaptive"])
+def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch, levers):
     monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
                                      "num-rounds": 2, "local-steps": 2, "train-examples": 150,
-                                     "test-examples": 60})
+                                     "test-examples": 60, **levers})
     lines = []
     rows = run_simulation(config, Path("run"), echo=lines.append)
     tmp_path = tmp_path / "run"
     assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
-    assert lines[0].startswith("round   1/2  accuracy") and "(known-sketch)" in lines[0]
+    assert lines[0].startswith("round   1/2  accuracy") and f"(known-sketch, noise at the {config.noise_placement})" \
+        in lines[0]
+    assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == (not levers)  # adaptive clipping moves it
     assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == 2
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "accuracy.png").exists()
     assert json.loads((tmp_path / "config.json").read_text())["strategy"] == "sgmm-ffa-lora"
@@ -44,6 +51,10 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     (["--set", "dataset=cifar100", "--set", "num-classes=100"], "synthetic"),
     (["--set", "rank=500"], "exceeds the smallest side (192)"),
     (["--set", "sketch-dim=500"], "Sketch dimension 500 must lie in [1, 192]"),
+    (["--set", "noise-placement=central"], "noise-placement must be one of client, server"),
+    (["--set", "clip-quantile=1"], "clip-quantile must be < 1"),
+    (["--set", "clip-quantile=0.5"], "clip count's noise alone (clip-count-stddev 0.2) spends epsilon"),
+    (["--set", "message=update", "--set", "strategy=flexlora"], 'message = "update" needs an FFA strategy'),
     (["--config", "missing.toml"], "does not exist"),
     (["--set", "noise-multiplier=1", "--set", "target-epsilon=0.01"], "does not cover one round"),
     (["--resume", "nowhere"], "holds no config.json"),
@@ -92,7 +103,8 @@ def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
     resumed = _fedlora("run", "--resume", str(out))
     output, _ = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, output
-    assert f"resuming after round {saved.rounds_done} of 4, epsilon " in output and "(known-sketch) spent" in output
+    assert f"resuming after round {saved.rounds_done} of 4, epsilon " in output and \
+        "(known-sketch, noise at the client) spent" in output
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     expected = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]  # no round counted twice
