@@ -2,7 +2,7 @@
 private adaptive clipping, for sgmm-ffa-lora and gm-ffa-lora at epsilon 8, in the quickstart setting and
 with a larger cohort. Final test accuracy over seeds, beside the non-private ffa-lora of the same setting.
 
-    python -m benchmarks.private_levers                      # both settings, seeds 0 and 1 (~50 min here)
+    python -m benchmarks.private_levers                      # both settings, seeds 0 and 1 (~40 min here)
     python -m benchmarks.private_levers --settings quickstart --seeds 0
 Results: benchmarks/results/private_levers.{md,csv,json}. Runs are in process (the ServerApp and ClientApp
 over an in-process Grid: the same protocol, strategy and accountant as `fedlora run`, without Ray); each
