@@ -56,3 +56,29 @@ def median_seconds(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
+    """One federation in this process (the ServerApp and ClientApp over an in-process Grid: the same protocol,
+    strategy and accountant as `fedlora run`, without Ray); its metrics.jsonl rows."""
+    import json
+    import logging
+
+    from flwr.app import Context, RecordDict
+    from flwr.common.logger import LOGGER_NAME
+
+    from clients.app import app
+    from fedlora.config import OUT_DIR_KEY
+    from strategies.inprocess_grid import InProcessGrid
+    from strategies.server_app import run_federation
+
+    run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir)}
+    flower = logging.getLogger(LOGGER_NAME)
+    level, _ = flower.level, flower.setLevel(logging.WARNING)
+    try:
+        run_federation(InProcessGrid(app, config.num_clients, run_config),
+                       Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
+                       echo=echo)
+    finally:
+        flower.setLevel(level)
+    return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]

@@ -1,7 +1,7 @@
 """Every strategy at the same target epsilon, with the non-private references, over several seeds:
 accuracy per round (as the paper's Figure 1) and a table of final and best accuracy, noise, traffic, time.
 
-    python -m benchmarks.compare_strategies                       # cpu preset, ~15 min here
+    python -m benchmarks.compare_strategies                       # the quickstart, 7 strategies x 2 seeds
     python -m benchmarks.compare_strategies --preset paper        # CIFAR-100 + ViT-B/16: a GPU job
     python -m benchmarks.compare_strategies --sweep target-epsilon=2,8,32 --strategies sgmm-ffa-lora,gm-ffa-lora
 Results: benchmarks/results/compare_<preset>[_<sweep key>].{md,csv,png}
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.algorithms import ALGORITHMS
+from fedlora.algorithms import ALGORITHMS, LoRAMode
 from fedlora.config import load_config
 from fedlora.experiment import check_before_start
 from fedlora.launch import run_simulation
@@ -55,6 +55,9 @@ def compare() -> None:
                 raise ValueError(f"Unknown strategy '{strategy}'; choose from {', '.join(ALGORITHMS)}.")
             for seed in args.seeds.split(","):
                 overrides = [f"strategy={strategy}", f"seed={seed}", *args.set]
+                if ALGORITHMS[strategy].family is LoRAMode.FLEX and load_config(PRESETS[args.preset], args.set).message \
+                        == "update":
+                    overrides.append('message="adapter"')  # FlexLoRA cannot send updates: it sends its adapter
                 if sweep_key:
                     overrides.append(f"{sweep_key}={value}")
                 config = load_config(PRESETS[args.preset], overrides)
@@ -104,7 +107,9 @@ def compare() -> None:
              f"Setting: {config.dataset} data, {config.model}, C = {config.num_clients}, N = {config.clients_per_round},"
              f" K = {config.local_steps}, batch {config.batch_size}, T = {config.num_rounds}, r = {config.rank}, "
              f"target epsilon {config.target_epsilon:g}, delta {config.delta:g}, seeds {args.seeds}; accuracy is the "
-             "test accuracy of the global model (mean ± std over seeds); seconds per round leave out round 1.",
+             f"test accuracy of the global model (mean ± std over seeds); seconds per round leave out round 1. Noise "
+             f"at the {config.noise_placement}; clients send {config.message}s"
+             + (" (FlexLoRA strategies: adapters, as they cannot send updates)." if config.message == "update" else "."),
              "", "| " + " | ".join(h.replace("_", " ") for h in header) + " |", "|" + "---|" * len(header),
              *["| " + " | ".join(str(row[h]) for h in header) + " |" for row in table], "", f"![accuracy]({name}.png)"]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

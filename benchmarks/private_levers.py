@@ -1,6 +1,7 @@
 """Which levers make private federations learn: noise placement, update form with a server optimizer, and
-private adaptive clipping, for sgmm-ffa-lora and gm-ffa-lora at epsilon 8, in the quickstart setting and
-with a larger cohort. Final test accuracy over seeds, beside the non-private ffa-lora of the same setting.
+private adaptive clipping, for sgmm-ffa-lora and gm-ffa-lora at epsilon 8, in the first quickstart's setting
+(configs/small_cohort.toml, named "quickstart" here) and with a larger cohort. Final test accuracy over seeds,
+beside the non-private ffa-lora of the same setting.
 
     python -m benchmarks.private_levers                      # both settings, seeds 0 and 1 (~40 min here)
     python -m benchmarks.private_levers --settings quickstart --seeds 0
@@ -14,24 +15,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import logging
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from flwr.app import Context, RecordDict
-from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
-from benchmarks.common import RESULTS, command_line, machine, revision
-from clients.app import app as client_app
-from fedlora.config import OUT_DIR_KEY, load_config
+from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess
+from fedlora.config import load_config
 from fedlora.experiment import noise_for
-from strategies.inprocess_grid import InProcessGrid
-from strategies.server_app import run_federation
 
-SETTINGS = {  # on top of the quickstart (configs/quickstart.toml)
+BASE = Path(__file__).resolve().parents[1] / "configs" / "small_cohort.toml"  # the first quickstart
+SETTINGS = {  # on top of BASE
     "quickstart": {},
     "cohort": {"num-clients": 200, "clients-per-round": 20},
 }
@@ -47,19 +43,6 @@ PRIVATE = ("sgmm-ffa-lora", "gm-ffa-lora")
 REFERENCE = ("ffa-lora", "adapter, not private")
 
 
-def _run(config, out_dir: Path) -> list[dict]:
-    run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir)}
-    grid = InProcessGrid(client_app, config.num_clients, run_config)
-    flower = logging.getLogger(FLOWER_LOGGER)
-    level, _ = flower.level, flower.setLevel(logging.WARNING)
-    try:
-        run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
-                       echo=lambda line: print("   ", line, flush=True))
-    finally:
-        flower.setLevel(level)
-    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def plan(settings: list[str], seeds: list[str]) -> list[dict]:
     """Every run, its config checked (and its noise calibrated) before the first starts; a lever a setting cannot
     run (the clip count's noise alone past the budget) is kept with its reason."""
@@ -70,7 +53,7 @@ def plan(settings: list[str], seeds: list[str]) -> list[dict]:
         for strategy, lever, overrides in cases:
             for seed in seeds:
                 values = {**SETTINGS[setting], **overrides, "strategy": strategy, "seed": seed, "eval-every": 10}
-                config = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                config = load_config(BASE, [f"{k}={json.dumps(v) if isinstance(v, str) else v}"
                                             for k, v in values.items()])
                 try:
                     z = noise_for(config).noise_multiplier
@@ -106,7 +89,8 @@ def main() -> None:
             print(f"== [{i + 1}/{len(runs)}] {run['setting']}: {run['strategy']}, {run['lever']}, seed {run['seed']}",
                   flush=True)
             started = time.time()
-            rows = _run(run["config"], Path(tmp) / key.replace("|", "_").replace(" ", ""))
+            rows = run_inprocess(run["config"], Path(tmp) / key.replace("|", "_").replace(" ", ""),
+                                 echo=lambda line: print("   ", line, flush=True))
             done[key] = {"final_accuracy": rows[-1]["accuracy"], "epsilon": rows[-1]["epsilon"],
                          "threat_model": rows[-1]["threat_model"], "clip_norms": [r["clip_norm"] for r in rows],
                          "seconds": time.time() - started}
@@ -154,7 +138,7 @@ def write_table(runs: list[dict], done: dict, args) -> None:
     lines = ["# Private levers: placement, update form, adaptive clipping", "",
              f"Command: `{command_line('benchmarks.private_levers')}`  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}  ",
-             f"Setting: the quickstart ({config.dataset} data, {config.num_classes} classes, {config.model} at random "
+             f"Setting: the first quickstart, configs/small_cohort.toml ({config.dataset} data, {config.num_classes} classes, {config.model} at random "
              f"init, K = {config.local_steps}, batch {config.batch_size}, lr {config.lr:g}, r = {config.rank}, "
              f"clip norm {config.clip_norm:g} (the start, with adaptive clipping), target epsilon "
              f"{config.target_epsilon:g}, delta {config.delta:g}, fixed-size sampling) with C and N as given; final "

@@ -66,6 +66,7 @@ def describe(args: argparse.Namespace) -> dict:
                                                sum(b * (m + k) * r for (_, k), (m, _) in shapes)),
     }
     return {
+        "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
         "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(shapes),
         "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for (r, k), (m, _) in shapes}),
@@ -84,6 +85,41 @@ def _print_describe(report: dict) -> None:
     print(f"\n{'strategy (mechanism)':<42}{'upload/client/round':>22}{'sketch multiply-adds':>24}")
     for row in report["mechanisms"]:
         print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB{row['sketch_multiply_adds']:>24,}")
+    if report.get("clients_per_round"):
+        n = report["clients_per_round"]
+        print(f"\nper round, {n} clients: " + "; ".join(
+            f"{row['strategy'].split(' ')[0]} {n * row['upload_bytes'] / 2 ** 20:.2f} MiB up"
+            for row in report["mechanisms"]))
+
+
+def _from_config(args: argparse.Namespace, command: str) -> None:
+    """`--config FILE`: the preset's values replace the flags (`fedlora privacy` and `describe` of a run's setting)."""
+    from fedlora.config import load_config
+
+    config = load_config(args.config)
+    if command == "privacy":
+        if config.head == "probe":
+            raise CLIError("fedlora privacy --config does not split a linear-probe phase: `fedlora run` prints that "
+                           "run's accounting.")
+        budget = config.budget()
+        args.strategy, args.delta, args.rank = config.strategy, config.delta, config.rank
+        args.target_epsilon = budget if not config.noise_multiplier else None
+        args.noise_multiplier = config.noise_multiplier or None
+        args.num_clients, args.clients_per_round, args.rounds = (config.num_clients, config.clients_per_round,
+                                                                 config.num_rounds)
+        args.sampling, args.sampling_rate = config.sampling, None
+        args.sketch_dim = config.effective_sketch_dim() or None
+        args.threat_model, args.noise_placement = config.threat_model, config.noise_placement
+        args.clip_count_stddev = config.count_stddev() if config.clip_quantile else None
+        args.model = model_spec(config.model).random_twin or config.model
+    else:
+        args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
+        args.rank, args.targets, args.num_classes = config.rank, config.targets, config.num_classes
+        algorithm = get_algorithm(config.strategy)
+        if algorithm.sketched:
+            b = config.effective_sketch_dim()
+            args.sketch_dim, args.vector_sketch_dim = (b, None) if algorithm.mechanism == "sgmm" else (b // config.rank, b)
+        args.clients_per_round = config.clients_per_round
 
 
 def _validate_privacy(args: argparse.Namespace) -> None:
@@ -416,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--vector-sketch-dim", type=_positive, default=None, help="SGMV sketch dimension h (default b r)")
     d.add_argument("--num-classes", type=_positive, default=100)
     d.add_argument("--json", action="store_true", help="print one JSON object")
+    d.add_argument("--config", help="a TOML preset: its model, rank, targets, sketch dimension and classes, and the "
+                                    "upload of its N clients per round")
 
     r = commands.add_parser("run", help="run a simulated federation (default: the offline CPU quickstart)")
     r.add_argument("--config", help="a TOML preset (e.g. configs/quickstart.toml); default: the quickstart")
@@ -455,6 +493,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--out", help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 
+    pt = commands.add_parser("pretrain", help="rebuild the offline public backbone (vit-tiny-public) and print its "
+                                              "sha256")
+    pt.add_argument("--out", help="where to write it (default: the packaged file the vit-tiny-public model loads)")
+    pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default 1000)")
+
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
     budget = p.add_mutually_exclusive_group()
@@ -476,6 +519,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
     p.add_argument("--paper-table", action="store_true", help="the paper's noise table beside ours")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--config", help="a TOML preset: its strategy, budget, cohort, rounds, sketch, threat model and "
+                                    "placement replace the flags")
     return parser
 
 
@@ -491,6 +536,12 @@ def main(argv: list[str] | None = None) -> int:
             creds = make_credentials(args.dir, hosts=tuple(args.host) or ("127.0.0.1", "localhost"), nodes=args.nodes)
             print(f"Wrote {creds.root}: superlink/ for the SuperLink, supernode-<i>/ for device i, ca/ to keep "
                   "offline. The sketch secret is in every supernode-<i>/ and never goes to the server.")
+        elif args.command == "pretrain":
+            from pathlib import Path
+
+            from fedlora import pretrain
+            pretrain.pretrain(Path(args.out) if args.out else pretrain.PUBLIC_WEIGHTS.path,
+                              steps=args.steps or pretrain.STEPS)
         elif args.command == "reconstruct":
             from fedlora.experiment import reconstruct
             accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)
@@ -500,6 +551,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 print(json.dumps(result, indent=2))
         elif args.command == "describe":
+            if args.config:
+                _from_config(args, "describe")
             report = describe(args)
             print(json.dumps(report, indent=2)) if args.json else _print_describe(report)
         elif args.paper_table:
@@ -509,6 +562,8 @@ def main(argv: list[str] | None = None) -> int:
             rows = paper_table()
             print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
         else:
+            if args.config:
+                _from_config(args, "privacy")
             if args.target_epsilon is None and args.noise_multiplier is None:
                 raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
             _validate_privacy(args)

@@ -31,10 +31,11 @@ OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the Ser
 RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
 SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fedlora run`)
 # `fedlora deploy` without --config: two SuperNodes on this machine, two rounds, OS noise.
+# Noise at the client (the paper's round): the server of a deployment is a remote party, not trusted with messages.
 DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "train-examples": 400,
-                 "test-examples": 200, "noise-source": "os"}
-# `fedlora audit` without --config: enough clients per round for canaries to be sampled, evaluation at the end only
-AUDIT_PRESET = {"num-clients": 400, "clients-per-round": 40, "eval-every": 10}
+                 "test-examples": 200, "noise-source": "os", "noise-placement": "client", "message": "adapter"}
+# `fedlora audit` without --config: the quickstart (enough clients per round for canaries), evaluation at the end only
+AUDIT_PRESET = {"eval-every": 10}
 HEAD_MODES = ("message", "probe", "frozen")
 PLACEMENTS = ("client", "server")
 MESSAGE_FORMS = ("adapter", "update")
@@ -58,11 +59,11 @@ def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | 
 @dataclass(frozen=True)
 class RunConfig:
     strategy: str = _opt("sgmm-ffa-lora", "the algorithm", choices=tuple(ALGORITHMS))
-    num_clients: int = _opt(20, "C, clients in the federation", low=1)
-    clients_per_round: int = _opt(4, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
+    num_clients: int = _opt(500, "C, clients in the federation", low=1)
+    clients_per_round: int = _opt(50, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
     sampling: str = _opt("fixed", "client sampling", choices=("fixed", "poisson"))
     num_rounds: int = _opt(10, "T, federated rounds", low=1)
-    local_steps: int = _opt(5, "K, local SGD steps per round", low=1)
+    local_steps: int = _opt(2, "K, local SGD steps per round", low=1)
     batch_size: int = _opt(16, "B, local mini-batch size", low=1)
     lr: float = _opt(0.05, "local SGD learning rate", low=0.0, low_open=True)
     rank: int = _opt(4, "LoRA rank r", low=1)
@@ -80,11 +81,11 @@ class RunConfig:
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
-    noise_placement: str = _opt("client", "where the noise is added: by each client to its own message (the paper; "
+    noise_placement: str = _opt("server", "where the noise is added: by each client to its own message (the paper; "
                                           "the guarantee holds against the server too), or by the server to the sum "
                                           "of the round's messages (central DP: the guarantee holds against everyone "
                                           "who sees the model, not against the server)", choices=PLACEMENTS)
-    message: str = _opt("adapter", "what a client sends: its whole local adapter (the paper), or its update, the "
+    message: str = _opt("update", "what a client sends: its whole local adapter (the paper), or its update, the "
                                    "change from the global adapter it started from (DP-FedAvg), which the server "
                                    "applies with server-optimizer", choices=MESSAGE_FORMS)
     server_optimizer: str = _opt("sgd", "message = update: how the server applies the noisy mean update",
@@ -113,9 +114,9 @@ class RunConfig:
     dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline) or CIFAR-100 from the hub",
                         choices=DATASETS)
     num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
-    train_examples: int = _opt(4000, "synthetic train-split size", low=1)
+    train_examples: int = _opt(20000, "synthetic train-split size", low=1)
     test_examples: int = _opt(1000, "synthetic test-split size", low=1)
-    model: str = _opt("vit-tiny", "backbone", choices=tuple(MODELS))
+    model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public synthetic classes; vit-tiny: random init)", choices=tuple(MODELS))
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
@@ -224,12 +225,13 @@ class RunConfig:
         """Noise placement, update form and adaptive clipping: the combinations the design does not support."""
         problems = []
         defaults = {f.name: f.default for f in fields(self)}
-        if self.noise_placement == "server":
-            if not algorithm.private:
-                problems.append(f"{self.strategy} adds no noise: noise-placement applies to private strategies.")
-            elif algorithm.sketched and self.threat_model == "secret-sketch":
+        # noise-placement is allowed (and moot) for a non-private strategy: `--set strategy=ffa-lora` then runs
+        # the same config without noise, the reference a private run is compared with
+        if self.noise_placement == "server" and algorithm.private:
+            if algorithm.sketched and self.threat_model == "secret-sketch":
                 problems.append('noise-placement = "server" needs threat-model = "known-sketch": the secret-sketch '
-                                "bound is derived for noise on every client's message, not on their sum.")
+                                "bound is derived for noise on every client's message, not on their sum (set "
+                                'noise-placement = "client" for secret-sketch).')
         if self.message == "update":
             if algorithm.family is LoRAMode.FLEX:
                 problems.append('message = "update" needs an FFA strategy: FlexLoRA aggregates the product B A of '

@@ -87,6 +87,7 @@ _WAVES_PER_CHANNEL = 3
 _MAX_WAVE_FREQUENCY = 2  # cycles per image, whole so that shifted prototypes wrap around seamlessly
 _TINT_STD = 24.0
 _PIXEL_NOISE_STD = 32.0
+_PUBLIC_STREAM = 0x9B11C  # spawn key of the public data's seed sequence (a run's has none)
 _CHUNK = 1024  # examples generated at a time, to bound float memory at large image sizes
 
 
@@ -196,13 +197,15 @@ def _first_line(err: BaseException) -> str:
 
 
 def make_synthetic_cifar(num_examples: int, *, num_classes: int = 100, image_size: int = IMAGE_SIZE,
-                         seed: int = 0, split: str = "train") -> datasets.Dataset:
+                         seed: int = 0, split: str = "train", public: bool = False) -> datasets.Dataset:
     """A deterministic CIFAR-like dataset in CIFAR-100's schema, with labels balanced across classes.
 
     Each class has a fixed smooth colour pattern; an example is its class's pattern, randomly shifted,
     mirrored, tinted and noised. The patterns depend on (seed, num_classes, image_size) only, and the
     examples of each split on a stream of their own, so a model fit on "train" generalizes to "test".
     With 100 classes the features equal CIFAR100_FEATURES; the coarse label is fine_label % 20.
+    ``public`` draws from a seed stream no federation uses (its classes are disjoint from every run's): the
+    public data the offline backbone is pretrained on.
     """
     if split not in SYNTHETIC_SPLITS:
         raise ValueError(f"Unknown split {split!r}; expected one of {', '.join(SYNTHETIC_SPLITS)}.")
@@ -210,7 +213,8 @@ def make_synthetic_cifar(num_examples: int, *, num_classes: int = 100, image_siz
                         ("Image size", image_size)):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}.")
-    pattern_seed, *split_seeds = np.random.SeedSequence(seed).spawn(1 + len(SYNTHETIC_SPLITS))
+    stream = np.random.SeedSequence(seed, spawn_key=(_PUBLIC_STREAM,) if public else ())
+    pattern_seed, *split_seeds = stream.spawn(1 + len(SYNTHETIC_SPLITS))
     prototypes = _prototypes(num_classes, image_size, np.random.default_rng(pattern_seed))
     rng = np.random.default_rng(split_seeds[SYNTHETIC_SPLITS.index(split)])
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,6 +142,7 @@ class RunRecorder:
                "client_train_seconds": info.get("train_seconds", math.nan),
                "client_privatize_seconds": info.get("privatize_seconds", math.nan),
                "client_startup_seconds": info.get("startup_seconds", math.nan),
+               "server_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
                "seconds": time.time() - info.get("started", self.started)}
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)

@@ -71,7 +71,8 @@ class Protocol:
         self.noise_multiplier = noise_multiplier
         self.probe_noise_multiplier = probe_noise_multiplier
         clip = config.clip_norm if self.algorithm.private else None
-        self.placement = NoisePlacement(config.noise_placement)
+        # a strategy without noise has no placement: its clients' messages are aggregated as they come
+        self.placement = NoisePlacement(config.noise_placement if self.algorithm.private else "client")
         self.mechanism = make_mechanism(
             self.algorithm, clip_norm=clip, noise_multiplier=noise_multiplier if self.algorithm.private else 0.0,
             sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model, placement=self.placement)

@@ -6,10 +6,12 @@ A backbone is returned bare (no wrapper module), so that a PEFT adapter saved fr
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -32,6 +34,7 @@ class ModelSpec:
     # Architecture overrides for random-init models (transformers ViTConfig / timm kwargs).
     overrides: tuple[tuple[str, int], ...] = ()
     random_twin: str | None = None  # the same architecture with random weights (shapes without the hub)
+    packaged: bool = False  # weights shipped in the package (PUBLIC_WEIGHTS) on the random twin's architecture
 
     @property
     def head(self) -> str:
@@ -42,9 +45,49 @@ class ModelSpec:
 # Tiny ViT for CPUs and tests: 32 px, patch 4 (64 tokens), 6 blocks of width 192.
 _TINY = dict(hidden_size=192, num_hidden_layers=6, num_attention_heads=3, intermediate_size=384)
 
+
+@dataclass(frozen=True)
+class PackagedWeights:
+    """Backbone weights shipped inside the package, checked against their sha256 before use."""
+
+    architecture: str  # the random-init model they fit
+    file: str  # in fedlora/weights/, unless absolute
+    sha256: str
+    pretrained_on: str
+    head: str = "classifier"  # left out of the file: every run gets a fresh head for its own classes
+
+    @property
+    def path(self) -> Path:
+        return Path(__file__).resolve().parent / "weights" / self.file  # an absolute file stays as it is
+
+    def locate(self) -> Path:
+        """The file beside this module, else the installed fedlora's: a Flower app bundle (FAB) carries code,
+        not weights, and its copy of fedlora shadows the installed one in the ServerApp and ClientApp."""
+        import importlib.metadata
+        import json
+        from urllib.parse import unquote, urlparse
+
+        candidates = [self.path]
+        for dist in importlib.metadata.distributions(name="fedlora"):
+            candidates.append(Path(dist.locate_file(f"fedlora/weights/{self.file}")))  # a wheel install
+            direct = json.loads(dist.read_text("direct_url.json") or "{}")
+            if direct.get("dir_info", {}).get("editable"):  # `pip install -e`: the source tree
+                candidates.append(Path(unquote(urlparse(direct["url"]).path)) / "fedlora" / "weights" / self.file)
+        return next((c for c in candidates if c.is_file()), self.path)
+
+
+# Built by `fedlora pretrain` (fedlora/pretrain.py); rebuild and update the checksum together.
+PUBLIC_WEIGHTS = PackagedWeights(
+    "vit-tiny", "vit-tiny-public.safetensors",
+    "496e2302a155b50669c256cdf7b518327475eac6a670d75de31ef05fd62e482a",
+    "100 public synthetic classes from a seed stream no federation uses (no federation data, private or test)")
+
 MODELS: dict[str, ModelSpec] = {
     "vit-tiny": ModelSpec("transformers", "vit-tiny", 32, False,
                           tuple({"image_size": 32, "patch_size": 4, **_TINY}.items())),
+    # The same tiny ViT pretrained offline on public data (PUBLIC_WEIGHTS): the CPU quickstart's backbone.
+    "vit-tiny-public": ModelSpec("transformers", "vit-tiny-public", 32, False, random_twin="vit-tiny",
+                                 packaged=True),
     "timm-vit-tiny": ModelSpec("timm", "vit_tiny_patch16_224", 32, False,
                                (("img_size", 32), ("patch_size", 4), ("embed_dim", 192), ("depth", 6),
                                 ("num_heads", 3))),
@@ -87,11 +130,41 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
         raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
     if spec.pretrained and not offline_requested() and (reason := unreachable_reason()):
         raise _unavailable(spec, f"{reason}; set HF_HUB_OFFLINE=1 to use weights already in your HF cache")
+    if spec.packaged:
+        backbone = build_backbone(spec.random_twin, num_classes=num_classes, seed=seed)
+        if next(backbone.parameters()).device.type != "meta":  # shapes only: no weights to load
+            _load_packaged(backbone, PUBLIC_WEIGHTS)
+        return backbone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if spec.family == "transformers":
             return _transformers_vit(spec, num_classes)
         return _timm_vit(spec, num_classes)
+
+
+def _load_packaged(backbone: nn.Module, weights: PackagedWeights) -> None:
+    """Every weight but the head from the package's file, after checking its checksum."""
+    state = _packaged_state(weights)
+    missing, unexpected = backbone.load_state_dict(state, strict=False)
+    if unexpected or any(not name.startswith(weights.head) for name in missing):
+        raise ModelUnavailableError(f"'{weights.path}' does not fit {weights.architecture} (missing {missing}, "
+                                    f"unexpected {unexpected}); rebuild it with `fedlora pretrain`.")
+
+
+@lru_cache(maxsize=1)
+def _packaged_state(weights: PackagedWeights) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load
+
+    path = weights.locate()
+    if not path.is_file():
+        raise ModelUnavailableError(f"The pretrained weights '{path}' are missing; rebuild them with "
+                                    "`fedlora pretrain`, or use model = \"vit-tiny\" (random init).")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != weights.sha256:
+        raise ModelUnavailableError(f"The pretrained weights '{path}' do not match their sha256 "
+                                    f"{weights.sha256[:12]}...; rebuild them with `fedlora pretrain` and update "
+                                    "PUBLIC_WEIGHTS, or use model = \"vit-tiny\" (random init).")
+    return {name: tensor.float() for name, tensor in load(data).items()}
 
 
 def _unavailable(spec: ModelSpec, error: Exception | str) -> ModelUnavailableError:

@@ -166,6 +166,7 @@ class FedLoRAStrategy(Strategy):
             ask = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
             replies = [r for r in grid.send_and_receive(ask) if r.has_content()]
             self.nodes = {int(r.content["metrics"]["partition-id"]): r.metadata.src_node_id for r in replies}
+            self.partition_of = {n: p for p, n in self.nodes.items()}
             if sorted(self.nodes) != list(range(self.sampling.num_clients)):
                 raise RuntimeError(f"Clients must hold partitions 0..{self.sampling.num_clients - 1} once each; "
                                    f"they reported {sorted(self.nodes)[:10]}...")
@@ -260,7 +261,7 @@ class FedLoRAStrategy(Strategy):
     def _valid(self, reply: Message, server_round: int, partitions: set[int]) -> tuple[int, dict] | None:
         """(partition, release) of a reply that may be aggregated; None (and a warning) for a failed or
         invalid one, which is never aggregated."""
-        partition = {n: p for p, n in self.nodes.items()}.get(reply.metadata.src_node_id)
+        partition = self.partition_of.get(reply.metadata.src_node_id)
         if reply.has_error():
             if self.simulated and reply.error.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
                 self.status, self.reason = RESTART, "a simulation worker died"

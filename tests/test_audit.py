@@ -16,6 +16,7 @@ from fedlora.config import load_config
 from fedlora.federation import Protocol
 from fedlora.mechanisms import Mechanism, gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
 from fedlora.sketch import MatrixSketch
+from tests.helpers import PAPER_FORM
 
 SMALL = (32, 2)
 
@@ -195,7 +196,7 @@ def test_one_run_bound_grows_with_a_perfect_attack_and_its_delta_term_only_lower
 
 
 def test_flex_canary_signature_is_the_adapter_product():
-    config = load_config(None, ["strategy=flexlora"])
+    config = load_config(None, ["strategy=flexlora", 'message="adapter"'])
     b, a = torch.randn(6, 2), torch.randn(2, 5)
     head = torch.randn(3)
     signature = canary_signature(Protocol(config, 0.0), {"x.lora_B": b, "x.lora_A": a, "head.weight": head})
@@ -203,7 +204,8 @@ def test_flex_canary_signature_is_the_adapter_product():
 
 
 def _canary_config(strategy: str):
-    return load_config(None, [f"strategy={strategy}", "num-clients=120", "clients-per-round=20", "num-rounds=3",
+    return load_config(None, [f"strategy={strategy}", *[f"{k}={v}" for k, v in PAPER_FORM.items()], "num-clients=120",
+                              "clients-per-round=20", "num-rounds=3",
                               "train-examples=1200", "test-examples=200", "eval-every=3", "local-steps=2"])
 
 
@@ -244,7 +246,7 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
         for key in ("auc", "tpr_at_fpr_0.01", "tpr_at_fpr_0.1", "empirical_epsilon", "accountant_epsilon",
                     "threat_model"):
             assert key in result
-    assert printed["threat_model"] == "known-sketch, noise at the client" and printed["strategy"] == "sgmm-ffa-lora"
+    assert printed["threat_model"] == "known-sketch, noise at the server" and printed["strategy"] == "sgmm-ffa-lora"
     assert json.loads((tmp_path / "a" / "audit.json").read_text()) == printed
 
 

@@ -13,7 +13,8 @@ def test_defaults_are_valid_and_keys_use_the_vocabulary():
 
 
 def test_types_are_converted_and_assignments_parsed():
-    config = RunConfig.from_mapping({"num-clients": "30", "lr": 1, "strategy": "flexlora"})
+    config = RunConfig.from_mapping({"num-clients": "30", "clients-per-round": 4, "lr": 1, "strategy": "flexlora",
+                                      "message": "adapter"})
     assert config.num_clients == 30 and config.lr == 1.0 and isinstance(config.lr, float)
     assert parse_assignment("lr=0.1") == ("lr", 0.1)
     assert parse_assignment("strategy=gm-ffa-lora") == ("strategy", "gm-ffa-lora")
@@ -25,7 +26,7 @@ def test_toml_files_and_flower_tables(tmp_path):
     plain.write_text('strategy = "gm-ffa-lora"\nnum-rounds = 3\n')
     assert load_config(plain, ["num-rounds=5"]).num_rounds == 5
     flower = tmp_path / "pyproject.toml"
-    flower.write_text('[tool.flwr.app.config]\nstrategy = "flexlora"\n')
+    flower.write_text('[tool.flwr.app.config]\nstrategy = "flexlora"\nmessage = "adapter"\n')
     assert load_config(flower).strategy == "flexlora"
 
 
@@ -36,7 +37,7 @@ BAD_CONFIGS = [
     ({"strategy": "sgmm-flexlroa"}, "did you mean 'sgmm-flexlora'?"),
     ({"strategy": "sgmv-flexlora"}, "SGMV cannot be used with FlexLoRA"),
     ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
-    ({"min-replies": 5}, "min-replies (5) cannot exceed clients-per-round (4)"),
+    ({"min-replies": 51}, "min-replies (51) cannot exceed clients-per-round (50)"),
     ({"rank": 0}, "rank must be >= 1"),
     ({"rank": 500}, "Rank 500 exceeds the smallest side (192)"),
     ({"sketch-dim": 500}, "Sketch dimension 500 must lie in [1, 192] for sgmm-ffa-lora"),
@@ -53,10 +54,10 @@ BAD_CONFIGS = [
     ({"target-epsilon": 0, "noise-multiplier": 0}, "is private: set target-epsilon"),
     ({"target-epsilon": -1}, "target-epsilon must be >= 0"),
     ({"strategy": "sgmm-ffa-lora", "client-ranks": "4,2"}, "needs a FlexLoRA strategy"),
-    ({"strategy": "flexlora", "client-ranks": "8"}, "must lie in [1, rank = 4]"),
-    ({"strategy": "flexlora", "client-ranks": "a,b"}, "comma-separated whole numbers"),
-    ({"threat-model": "secret-sketch", "sampling": "poisson"}, "fixed-size sampling only"),
-    ({"sketch-secret": "node-file"}, "is for sketched strategies under threat-model"),
+    ({"strategy": "flexlora", "message": "adapter", "client-ranks": "8"}, "must lie in [1, rank = 4]"),
+    ({"strategy": "flexlora", "message": "adapter", "client-ranks": "a,b"}, "comma-separated whole numbers"),
+    ({"threat-model": "secret-sketch", "noise-placement": "client", "sampling": "poisson"}, "fixed-size sampling only"),
+    ({"sketch-secret": "node-file", "message": "adapter"}, "is for sketched strategies under threat-model"),
     ({"head": "probe", "num-rounds": 1}, "The linear-probe phase needs 1 to 0 rounds"),
     ({"dataset": "cifar100"}, "CIFAR-100 has 100 classes"),
     ({"model": "vit-huge"}, "model must be one of"),
@@ -81,7 +82,7 @@ def test_every_problem_is_named_at_once():
 
 def test_noise_multiplier_with_a_target_is_a_budget():
     config = RunConfig.from_mapping({"noise-multiplier": 1.0, "target-epsilon": 5.0})
-    assert config.budget() == 5.0 and config.required_replies() == 2
+    assert config.budget() == 5.0 and config.required_replies() == 25  # half of N = 50, rounded up
     assert RunConfig.from_mapping({"noise-multiplier": 1.0, "target-epsilon": 0}).budget() is None
     assert RunConfig.from_mapping({"clients-per-round": 5, "min-replies": 1}).required_replies() == 1
 
@@ -106,8 +107,52 @@ def test_one_vocabulary_everywhere():
     flower = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
     assert {k: v for k, v in flower.items() if k != "out-dir"} == RunConfig().to_mapping()
     assert load_config(root / "configs" / "quickstart.toml") == RunConfig()
+    assert load_config(root / "configs" / "small_cohort.toml").clients_per_round == 4  # the first quickstart
     paper = load_config(root / "configs" / "paper_cifar100.toml")
     assert (paper.num_clients, paper.clients_per_round, paper.num_rounds, paper.sketch_dim) == (625, 4, 400, 150)
+
+
+def test_the_quickstart_is_private_at_epsilon_8_and_calibrates_to_it():
+    """The quickstart: a sketched strategy, epsilon <= 8, delta <= 1e-5 and below 1 / C, noise calibrated to spend
+    the target, its trust model named."""
+    from fedlora.experiment import noise_for
+
+    config = RunConfig()
+    assert config.strategy == "sgmm-ffa-lora" and config.target_epsilon <= 8
+    assert config.delta <= 1e-5 and config.delta < 1 / config.num_clients
+    plan = noise_for(config)
+    assert plan.planned.epsilon == pytest.approx(config.target_epsilon, rel=0.01)
+    assert plan.planned.epsilon <= config.target_epsilon
+    assert plan.planned.threat_model == "known-sketch, noise at the server"
+    assert config.model == "vit-tiny-public"
+    assert RunConfig.from_mapping({"strategy": "ffa-lora"}).noise_placement == "server"  # the reference: moot
+
+
+def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
+    """configs/cifar100_private.toml's code path (100 classes, the sketch of b = 150 on its levers) on the tiny
+    pretrained ViT and synthetic data, one round in process: the preset itself needs the hub and a GPU."""
+    from pathlib import Path
+
+    from flwr.app import Context, RecordDict
+
+    from clients.app import app
+    from strategies.inprocess_grid import InProcessGrid
+    from strategies.server_app import run_federation
+
+    preset = Path(__file__).resolve().parents[1] / "configs" / "cifar100_private.toml"
+    gpu = load_config(preset)
+    assert (gpu.model, gpu.dataset, gpu.noise_placement, gpu.message) == ("vit-b16", "cifar100", "server", "update")
+    assert gpu.target_epsilon <= 8 and gpu.delta < 1 / gpu.num_clients
+    offline = load_config(preset, ["model=vit-tiny-public", 'dataset="synthetic"', "num-clients=8",
+                                   "clients-per-round=4", "num-rounds=1", "train-examples=400", "test-examples=100",
+                                   "sketch-dim=150", "client-gpus=0"])
+    values = {**offline.to_mapping(), "out-dir": str(tmp_path)}
+    run_federation(InProcessGrid(app, 8, values), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                           run_config=values), echo=lambda line: None)
+    import json
+
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["replies"] == 4 and row["epsilon"] <= 8 and row["threat_model"] == "known-sketch, noise at the server"
 
 
 @pytest.mark.parametrize("values, message", [
@@ -118,10 +163,9 @@ def test_one_vocabulary_everywhere():
     ({"clip-quantile": -0.1}, "clip-quantile must be >= 0"),
     ({"server-momentum": 1.0, "message": "update"}, "server-momentum must be < 1"),
     ({"noise-placement": "server", "threat-model": "secret-sketch"}, 'noise-placement = "server" needs threat-model'),
-    ({"noise-placement": "server", "strategy": "ffa-lora"}, "ffa-lora adds no noise"),
     ({"message": "update", "strategy": "sgmm-flexlora"}, 'message = "update" needs an FFA strategy'),
-    ({"server-optimizer": "adam"}, 'server-optimizer and server-lr apply to message = "update"'),
-    ({"clip-quantile": 0.5, "strategy": "flexlora"}, "flexlora clips nothing"),
+    ({"server-optimizer": "adam", "message": "adapter"}, 'server-optimizer and server-lr apply to message = "update"'),
+    ({"clip-quantile": 0.5, "strategy": "flexlora", "message": "adapter"}, "flexlora clips nothing"),
     ({"clip-quantile": 0.5, "head": "probe"}, 'not supported with head = "probe"'),
     ({"clip-lr": 0.5}, "clip-lr and clip-count-stddev apply to adaptive clipping"),
 ])

@@ -94,7 +94,7 @@ def test_deploy_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, 
 
 def test_simulations_refuse_a_node_held_secret(capsys, tmp_path):
     argv = ["run", "--out", str(tmp_path / "r"), "--set", "threat-model=secret-sketch", "--set",
-            "sketch-secret=node-file"]
+            "sketch-secret=node-file", "--set", "noise-placement=client", "--set", "message=adapter"]
     assert main(argv) == 2
     assert "use `fedlora deploy`" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()

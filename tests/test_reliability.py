@@ -20,8 +20,9 @@ from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanis
 from fedlora.sketch import SketchKey
 from strategies.inprocess_grid import InProcessGrid
 from strategies.server_app import run_federation
+from tests.helpers import PAPER_FORM
 
-SMALL = {"num-clients": 5, "clients-per-round": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8,
+SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8,
          "train-examples": 200, "test-examples": 60, "num-classes": 10, "sketch-dim": 16,
          "strategy": "sgmm-ffa-lora", "target-epsilon": 10.0}
 

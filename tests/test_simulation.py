@@ -15,16 +15,17 @@ from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import run_simulation
-from tests.helpers import leftover_flower_processes
+from tests.helpers import PAPER_FORM, leftover_flower_processes
 
-TINY = ["num-clients=3", "clients-per-round=2", "local-steps=2", "train-examples=150", "test-examples=60"]
+TINY = ['noise-placement="client"', 'message="adapter"', "num-clients=3", "clients-per-round=2", "local-steps=2",
+        "train-examples=150", "test-examples=60"]
 
 
 LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
           "clip-count-stddev": 5.0}
 
 
-@pytest.mark.parametrize("levers", [{}, LEVERS], ids=["paper", "server-update-adaptive"])
+@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS], ids=["paper", "server-update-adaptive"])
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch, levers):
     monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
@@ -53,7 +54,8 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     (["--set", "sketch-dim=500"], "Sketch dimension 500 must lie in [1, 192]"),
     (["--set", "noise-placement=central"], "noise-placement must be one of client, server"),
     (["--set", "clip-quantile=1"], "clip-quantile must be < 1"),
-    (["--set", "clip-quantile=0.5"], "clip count's noise alone (clip-count-stddev 0.2) spends epsilon"),
+    (["--set", "clip-quantile=0.5", "--set", "num-clients=20", "--set", "clients-per-round=4"],
+     "clip count's noise alone (clip-count-stddev 0.2) spends epsilon"),
     (["--set", "message=update", "--set", "strategy=flexlora"], 'message = "update" needs an FFA strategy'),
     (["--config", "missing.toml"], "does not exist"),
     (["--set", "noise-multiplier=1", "--set", "target-epsilon=0.01"], "does not cover one round"),

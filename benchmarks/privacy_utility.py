@@ -1,0 +1,230 @@
+"""The privacy-utility frontier at the quickstart's setting: final test accuracy against epsilon for the private
+strategies under each noise placement, accuracy against the cohort size N at epsilon 8, and the upload per
+client it takes to reach an accuracy.
+
+    python -m benchmarks.privacy_utility                          # everything, seeds 0 and 1 (hours here)
+    python -m benchmarks.privacy_utility --parts frontier --epsilons 8 --seeds 0
+Results: benchmarks/results/privacy_utility.{md,csv,json} and privacy_utility_{epsilon,cohort}.png. Runs are in
+process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol, strategy and accountant of
+`fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
+continues where it stopped, and the tables are written from whatever is there.
+
+FFA strategies run the quickstart's form (clients send updates, applied by server SGD). FlexLoRA cannot send
+updates (an update of the factors is not an update of their product): its runs send adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess
+from fedlora.algorithms import get_algorithm
+from fedlora.config import RunConfig, load_config
+from fedlora.experiment import noise_for
+
+PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
+REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
+PLACEMENTS = ("client", "server")
+EPSILONS = (1.0, 2.0, 4.0, 8.0)
+COHORTS = (5, 10, 25, 50, 100)  # N at C = 500 (the quickstart's C)
+COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")
+STORE = RESULTS / "privacy_utility.json"
+
+
+def _family(strategy: str) -> str:
+    return get_algorithm(strategy).family.value
+
+
+def plan(parts: list[str], epsilons: list[float], seeds: list[int]) -> list[dict]:
+    """Every run with its config (checked before the first starts)."""
+    cases = []
+    if "frontier" in parts:
+        for strategy in PRIVATE:
+            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS]
+        cases += [("frontier", reference, "-", math.inf, None) for reference in REFERENCE.values()]
+    if "cohort" in parts:
+        for n in COHORTS:
+            cases += [("cohort", s, "server", 8.0, n) for s in COHORT_STRATEGIES]
+            cases.append(("cohort", REFERENCE["ffa"], "-", math.inf, n))
+    runs = []
+    for part, strategy, placement, eps, n in cases:
+        for seed in seeds:
+            values = {"strategy": strategy, "seed": seed}
+            if placement != "-":
+                values["noise-placement"] = placement
+            if eps != math.inf:
+                values["target-epsilon"] = eps
+            if n is not None:
+                values["clients-per-round"] = n
+            if _family(strategy) == "flex":
+                values["message"] = "adapter"
+            config = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in values.items()])
+            runs.append({"part": part, "strategy": strategy, "placement": placement, "epsilon": eps, "seed": seed,
+                         "n": config.clients_per_round, "config": config,
+                         "key": f"{part}|{strategy}|{placement}|{eps}|{config.clients_per_round}|{seed}"})
+    for run in runs:
+        noise_for(run["config"])  # an unreachable target fails here, before any run
+    return runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="frontier,cohort")
+    parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
+    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--table-only", action="store_true", help="write the tables and plots from the json")
+    args = parser.parse_args()
+    try:
+        parts = args.parts.split(",")
+        if unknown := [p for p in parts if p not in ("frontier", "cohort")]:
+            raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
+        runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")])
+    except ValueError as error:
+        print(f"privacy_utility: error: {str(error).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    done = json.loads(STORE.read_text()) if STORE.is_file() else {}
+    todo = [] if args.table_only else [r for r in runs if r["key"] not in done]
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, run in enumerate(todo):
+            print(f"== [{i + 1}/{len(todo)}] {run['key']}", flush=True)
+            started = time.time()
+            rows = run_inprocess(run["config"], Path(tmp) / f"run{i}",
+                                 echo=lambda line: print("   ", line, flush=True))
+            done[run["key"]] = {"accuracy": [r["accuracy"] for r in rows], "epsilon": rows[-1]["epsilon"],
+                                "threat_model": rows[-1]["threat_model"],
+                                "noise_multiplier": rows[-1]["noise_multiplier"],
+                                "bytes_up": [r["bytes_up"] for r in rows], "seconds": time.time() - started}
+            RESULTS.mkdir(exist_ok=True)
+            STORE.write_text(json.dumps(done, indent=1) + "\n")
+    write_results(runs, done)
+
+
+def _upload_to_reach(result: dict, accuracy: float) -> float | None:
+    """Bytes one sampled client uploads per round, times the rounds until the global model first reaches
+    ``accuracy`` (None if it never does)."""
+    for round_, value in enumerate(result["accuracy"], start=1):
+        if value is not None and value >= accuracy:
+            return statistics.mean(result["bytes_up"][:round_]) * round_
+    return None
+
+
+def _summary(values: list[float]) -> tuple[float, float]:
+    return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+
+
+def write_results(runs: list[dict], done: dict) -> None:
+    groups: dict[tuple, list[dict]] = {}
+    for run in runs:
+        if run["key"] in done:
+            groups.setdefault((run["part"], run["strategy"], run["placement"], run["epsilon"], run["n"]),
+                              []).append(done[run["key"]])
+    if not groups:
+        print("privacy_utility: no finished runs yet.")
+        return
+    config: RunConfig = runs[0]["config"]
+    chance = 1 / config.num_classes
+    rows = []
+    for (part, strategy, placement, eps, n), results in groups.items():
+        mean, spread = _summary([r["accuracy"][-1] for r in results])
+        rows.append({"part": part, "strategy": strategy, "placement": placement,
+                     "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "seeds": len(results),
+                     "accuracy": round(mean, 4), "spread": round(spread, 4),
+                     "noise_multiplier": round(results[0]["noise_multiplier"], 4),
+                     "threat_model": results[0]["threat_model"],
+                     "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
+                     **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in (0.3, 0.5, 0.7)}})
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "privacy_utility.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    _plot(rows, chance)
+
+    def kib(value):
+        return "never" if value is None else f"{value / 1024:.0f} KiB"
+
+    lines = ["# Privacy-utility frontier at the quickstart's setting", "",
+             f"Command: `{command_line('benchmarks.privacy_utility')}`  ", f"Commit: {revision()}  ",
+             f"Machine: {machine()}  ",
+             f"Setting: the quickstart ({config.dataset} data, {config.num_classes} classes, {config.model}, "
+             f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
+             f"K = {config.local_steps}, clip {config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
+             "FFA strategies send updates applied by server SGD, FlexLoRA strategies send adapters. Final test "
+             f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
+             "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
+             "reaches it (first seed).", "",
+             "## Accuracy against epsilon", "",
+             "| strategy | noise at | epsilon | accuracy | z | upload / client round | to 0.3 | to 0.5 | to 0.7 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+             *[f"| {r['strategy']} | {r['placement']} | {r['epsilon']} | {r['accuracy']:.3f} ± {r['spread']:.3f} "
+               f"(n={r['seeds']}) | {r['noise_multiplier']:g} | {r['bytes_per_client_round'] / 1024:.1f} KiB | "
+               f"{kib(r['upload_to_0.3'])} | {kib(r['upload_to_0.5'])} | {kib(r['upload_to_0.7'])} |"
+               for r in rows if r["part"] == "frontier"],
+             "", "## Accuracy against N (C fixed), epsilon 8, noise at the server", "",
+             "| strategy | N | accuracy | z |", "|---|---:|---:|---:|",
+             *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
+               f"{r['noise_multiplier']:g} |" for r in rows if r["part"] == "cohort"],
+             "", "![accuracy against epsilon](privacy_utility_epsilon.png)",
+             "![accuracy against N](privacy_utility_cohort.png)", ""]
+    (RESULTS / "privacy_utility.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _plot(rows: list[dict], chance: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    frontier = [r for r in rows if r["part"] == "frontier"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, placement in zip(axes, PLACEMENTS):
+        for strategy in PRIVATE:
+            points = sorted((float(r["epsilon"]), r["accuracy"], r["spread"]) for r in frontier
+                            if r["strategy"] == strategy and r["placement"] == placement)
+            if points:
+                xs, ys, es = zip(*points)
+                ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=strategy)
+        for reference in REFERENCE.values():
+            ref = [r["accuracy"] for r in frontier if r["strategy"] == reference]
+            if ref:
+                ax.axhline(ref[0], ls="--", lw=1, color="grey" if reference == "ffa-lora" else "black",
+                           label=f"{reference} (not private)")
+        ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+        ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=f"noise at the {placement}")
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("final test accuracy")
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "privacy_utility_epsilon.png", dpi=120)
+    plt.close(fig)
+
+    cohort = [r for r in rows if r["part"] == "cohort"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for strategy in (*COHORT_STRATEGIES, REFERENCE["ffa"]):
+        points = sorted((r["n"], r["accuracy"], r["spread"]) for r in cohort if r["strategy"] == strategy)
+        if points:
+            xs, ys, es = zip(*points)
+            ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3,
+                        label=strategy + ("" if strategy in COHORT_STRATEGIES else " (not private)"))
+    ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+    ax.set(xscale="log", xlabel="clients per round N (C = 500)", ylabel="final test accuracy",
+           title="epsilon 8, noise at the server")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "privacy_utility_cohort.png", dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

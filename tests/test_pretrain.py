@@ -1,0 +1,91 @@
+"""The offline public backbone: it loads offline from the package, is checked, and its features beat a random init."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from fedlora import models
+from fedlora.data import make_synthetic_cifar, to_torch
+from fedlora.models import PUBLIC_WEIGHTS, ModelUnavailableError, build_backbone
+from fedlora.pretrain import pretrain, sha256
+
+
+def test_packaged_weights_match_their_checksum_and_load_offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert sha256(PUBLIC_WEIGHTS.path) == PUBLIC_WEIGHTS.sha256
+    from safetensors.torch import load_file
+
+    stored = load_file(str(PUBLIC_WEIGHTS.path))
+    model = build_backbone("vit-tiny-public", num_classes=7, seed=3)
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor.float()) for name, tensor in stored.items())
+    assert state["classifier.weight"].shape == (7, 192)  # a fresh head for the run's classes
+    random = build_backbone("vit-tiny", num_classes=7, seed=3)
+    assert torch.equal(random.state_dict()["classifier.weight"], state["classifier.weight"])
+    assert not torch.equal(random.state_dict()["vit.layers.0.attention.q_proj.weight"],
+                           state["vit.layers.0.attention.q_proj.weight"])
+
+
+def test_public_data_is_disjoint_from_every_runs_classes():
+    public = np.stack(make_synthetic_cifar(200, num_classes=10, seed=0, public=True)["img"]).astype(float)
+    private = np.stack(make_synthetic_cifar(200, num_classes=10, seed=0)["img"]).astype(float)
+    assert np.abs(public.mean(axis=0) - private.mean(axis=0)).mean() > 5  # other prototypes, not a reshuffle
+
+
+def _probe_accuracy(model_name: str, *, public: bool) -> float:
+    """A ridge-regression linear probe on the frozen backbone's features (its head removed): on the public task
+    (its held-out test split), or on the quickstart federation's task, which the backbone never saw."""
+    classes = 100 if public else 10
+    model = build_backbone(model_name, num_classes=10, seed=0).eval()
+    model.classifier = torch.nn.Identity()
+    splits = []
+    for split, n in (("train", 2000), ("test", 500)):
+        data = to_torch(make_synthetic_cifar(n, num_classes=classes, seed=0, split=split, public=public), 32)
+        batch = data[list(range(n))]
+        with torch.no_grad():
+            features = model(batch["pixel_values"]).logits.double()
+        splits.append((torch.cat([features, torch.ones(n, 1, dtype=torch.float64)], 1), batch["labels"]))
+    (x, y), (x_test, y_test) = splits
+    targets = torch.nn.functional.one_hot(y, classes).double()
+    weights = torch.linalg.solve(x.T @ x + 1e-2 * torch.eye(x.shape[1], dtype=torch.float64), x.T @ targets)
+    return ((x_test @ weights).argmax(1) == y_test).double().mean().item()
+
+
+# Measured: public task 0.996 against 0.51 for a random init; the federation's task 1.0 against 0.924 (random
+# ViT features already separate its 10 classes fairly well; the pretrained ones separate them all).
+@pytest.mark.parametrize(("public", "margin"), [(True, 0.3), (False, 0.03)], ids=["public-task", "federation-task"])
+def test_pretrained_features_beat_a_random_init_on_a_linear_probe(public, margin):
+    pretrained, random = _probe_accuracy("vit-tiny-public", public=public), _probe_accuracy("vit-tiny", public=public)
+    assert pretrained > random + margin, (pretrained, random)
+
+
+def test_a_missing_or_altered_weights_file_is_one_clear_error(tmp_path, monkeypatch):
+    def use(weights):
+        monkeypatch.setattr(models, "PUBLIC_WEIGHTS", weights)
+        models._packaged_state.cache_clear()
+
+    use(dataclasses.replace(PUBLIC_WEIGHTS, file="absent.safetensors"))
+    with pytest.raises(ModelUnavailableError, match="missing; rebuild them with `fedlora pretrain`"):
+        build_backbone("vit-tiny-public", num_classes=10)
+    use(dataclasses.replace(PUBLIC_WEIGHTS, sha256="0" * 64))
+    with pytest.raises(ModelUnavailableError, match="do not match their sha256"):
+        build_backbone("vit-tiny-public", num_classes=10)
+    models._packaged_state.cache_clear()
+
+
+def test_pretrain_writes_a_backbone_without_head_that_the_model_loads(tmp_path, monkeypatch):
+    out = tmp_path / "w.safetensors"
+    digest = pretrain(out, steps=2, examples=128, echo=lambda line: None)
+    assert digest == sha256(out)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(out))
+    assert stored and not any(name.startswith("classifier") for name in stored)
+    assert all(t.dtype == torch.float16 for t in stored.values())
+    monkeypatch.setattr(models, "PUBLIC_WEIGHTS", dataclasses.replace(PUBLIC_WEIGHTS, file=str(out), sha256=digest))
+    models._packaged_state.cache_clear()
+    model = build_backbone("vit-tiny-public", num_classes=10)
+    assert torch.equal(model.state_dict()["vit.layernorm.weight"], stored["vit.layernorm.weight"].float())
+    models._packaged_state.cache_clear()
