@@ -2,7 +2,7 @@
 clients) against a bare PyTorch loop doing the same client work, at N clients per round (C = 4 N), with the
 ServerApp process's peak memory; plus the client's clip + sketch + noise time and the server's aggregation time.
 
-    python -m benchmarks.overhead                        # N in 4, 32, 128, 512 (~25 min here)
+    python -m benchmarks.overhead                        # N in 4, 32, 128, 512 (about 25 min here)
     python -m benchmarks.overhead --cohorts 4,32 --rounds 3
 Results: benchmarks/results/overhead.md. The setting is the quickstart's client work (model, K, batch).
 """
@@ -68,7 +68,7 @@ def measure(n: int, rounds: int, overrides: list[str], out_dir: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cohorts", default="4,32,128,512", help="N values, comma-separated (C = 4 N)")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds per run: the first and the last are left out")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per run: the first and the last are left out")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the quickstart")
     args = parser.parse_args()
     try:

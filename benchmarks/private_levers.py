@@ -30,12 +30,17 @@ BASE = Path(__file__).resolve().parents[1] / "configs" / "small_cohort.toml"  # 
 SETTINGS = {  # on top of BASE
     "quickstart": {},
     "cohort": {"num-clients": 200, "clients-per-round": 20},
+    # the quickstart's population, cohort and pretrained backbone (configs/quickstart.toml)
+    "pretrained": {"num-clients": 500, "clients-per-round": 50, "local-steps": 2, "train-examples": 20000,
+                   "model": "vit-tiny-public"},
 }
 UPDATE = {"message": "update", "server-optimizer": "momentum", "server-lr": 1.0, "server-momentum": 0.9}
 LEVERS = {  # name -> overrides; the private strategies run each
     "adapter, noise at the client (the paper)": {},
     "update + momentum, noise at the client": UPDATE,
     "update + momentum, noise at the server": {**UPDATE, "noise-placement": "server"},
+    "update + sgd, noise at the server (the quickstart)": {**UPDATE, "server-optimizer": "sgd",
+                                                           "noise-placement": "server"},
     "update + momentum, noise at the server, adaptive clip (median)": {**UPDATE, "noise-placement": "server",
                                                                        "clip-quantile": 0.5},
 }

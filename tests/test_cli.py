@@ -117,3 +117,26 @@ def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
     assert main(["privacy", "--strategy", "sgmm-ffa-lora", "--noise-multiplier", "1", "--threat-model",
                  "secret-sketch", "--noise-placement", "server"]) == 2
     assert "needs --threat-model known-sketch" in capsys.readouterr().err
+
+
+def test_privacy_and_describe_of_a_preset(capsys):
+    """`--config`: a preset's accounting equals `fedlora run`'s calibration; its upload per round is N times a
+    client's."""
+    from pathlib import Path
+
+    from fedlora.config import load_config
+    from fedlora.experiment import noise_for
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+    assert main(["privacy", "--config", str(quickstart), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    plan = noise_for(load_config(quickstart))
+    assert result["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-3)
+    assert result["epsilon"] == pytest.approx(plan.planned.epsilon, rel=1e-3)
+    assert (result["noise_placement"], result["clients_per_round"], result["rounds"]) == ("server", 50, 10)
+    gpu = Path(__file__).resolve().parents[1] / "configs" / "cifar100_private.toml"
+    assert main(["describe", "--config", str(gpu), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "vit-b16-random" and report["clients_per_round"] == 500  # shapes, no hub
+    assert main(["describe", "--config", str(gpu)]) == 0
+    assert "per round, 500 clients: ffa-lora" in capsys.readouterr().out
