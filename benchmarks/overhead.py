@@ -26,6 +26,11 @@ from fedlora.models import model_spec
 from fedlora.training import local_sgd
 
 GOAL_RATIO, GOAL_MEMORY = 1.10, 0.10
+WHY_MISSED = ("Where the ratio is missed, the likely cause (read in the code, not yet profiled): Flower 1.41's "
+              "simulation engine polls every node for its messages every 0.1 s (`vce_api.add_messages_to_queue`), "
+              "and each poll scans every pending message under the state's lock "
+              "(`InMemoryLinkState.get_message_ins`): O(C N) work per sweep, on the same cores as the clients. "
+              "A path with several clients per message (fewer Flower nodes) is the planned fix.")
 
 
 def bare_rounds(config: RunConfig, rounds: int) -> list[float]:
@@ -110,6 +115,8 @@ def main() -> None:
     growth = rows[-1]["server_peak_rss_mib"] / base["server_peak_rss_mib"] - 1
     lines.append(f"- server memory at N = {rows[-1]['n']}: {100 * growth:+.1f}%: "
                  f"{'met' if abs(growth) <= GOAL_MEMORY else 'MISSED'}.")
+    if any(r["ratio"] > GOAL_RATIO for r in rows):
+        lines += ["", WHY_MISSED]
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
