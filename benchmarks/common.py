@@ -82,3 +82,12 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
     finally:
         flower.setLevel(level)
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def save_figure(fig, name: str) -> None:
+    """Lays out ``fig``, writes it to results/<name> and closes it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(RESULTS / name, dpi=120)
+    plt.close(fig)

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess
+from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess, save_figure
 from fedlora.algorithms import get_algorithm
 from fedlora.config import RunConfig, load_config
 from fedlora.experiment import noise_for
@@ -204,9 +204,7 @@ def _plot(rows: list[dict], chance: float) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final test accuracy")
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "privacy_utility_epsilon.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, "privacy_utility_epsilon.png")
 
     cohort = [r for r in rows if r["part"] == "cohort"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -221,9 +219,7 @@ def _plot(rows: list[dict], chance: float) -> None:
            title="epsilon 8, noise at the server")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "privacy_utility_cohort.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, "privacy_utility_cohort.png")
 
 
 if __name__ == "__main__":

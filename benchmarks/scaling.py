@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine, revision, median_seconds
+from benchmarks.common import RESULTS, command_line, machine, revision, median_seconds, save_figure
 from fedlora.aggregation import redistribute, svd_of_mean_product
 from fedlora.sketch import MatrixSketch, SketchKey, VectorSketch
 
@@ -163,9 +163,7 @@ def _plot(rows: list[dict]) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "scaling.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, "scaling.png")
 
 
 if __name__ == "__main__":
