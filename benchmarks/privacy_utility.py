@@ -152,7 +152,8 @@ def write_results(runs: list[dict], done: dict) -> None:
         return "never" if value is None else f"{value / 1024:.0f} KiB"
 
     lines = ["# Privacy-utility frontier at the quickstart's setting", "",
-             f"Command: `{command_line('benchmarks.privacy_utility')}`  ", f"Commit: {revision()}  ",
+             f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in privacy_utility.json; "
+             "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}  ",
              f"Setting: the quickstart ({config.dataset} data, {config.num_classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
