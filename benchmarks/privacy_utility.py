@@ -163,13 +163,14 @@ def write_results(runs: list[dict], done: dict) -> None:
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
              "reaches it (first seed).", "",
              "## Accuracy against epsilon", "",
-             "| strategy | noise at | epsilon | accuracy | z | upload / client round | to 0.3 | to 0.5 | to 0.7 |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
-             *[f"| {r['strategy']} | {r['placement']} | {r['epsilon']} | {r['accuracy']:.3f} ± {r['spread']:.3f} "
+             "| strategy | epsilon (threat model, noise placement) | accuracy | z | upload / client round | to 0.3 | "
+             "to 0.5 | to 0.7 |",
+             "|---|---|---:|---:|---:|---:|---:|---:|",
+             *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}) | {r['accuracy']:.3f} ± {r['spread']:.3f} "
                f"(n={r['seeds']}) | {r['noise_multiplier']:g} | {r['bytes_per_client_round'] / 1024:.1f} KiB | "
                f"{kib(r['upload_to_0.3'])} | {kib(r['upload_to_0.5'])} | {kib(r['upload_to_0.7'])} |"
                for r in rows if r["part"] == "frontier"],
-             "", "## Accuracy against N (C fixed), epsilon 8, noise at the server", "",
+             "", "## Accuracy against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
              "| strategy | N | accuracy | z |", "|---|---:|---:|---:|",
              *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
                f"{r['noise_multiplier']:g} |" for r in rows if r["part"] == "cohort"],

@@ -97,6 +97,13 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
     from fedlora.config import load_config
 
     config = load_config(args.config)
+    replaced = (("strategy", "target_epsilon", "noise_multiplier", "delta", "num_clients", "clients_per_round",
+                 "sampling_rate", "rounds", "rank", "sketch_dim", "model", "threat_model", "noise_placement",
+                 "clip_count_stddev", "sampling") if command == "privacy" else
+                ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes"))
+    defaults = vars(build_parser().parse_args([command]))
+    if given := [key for key in replaced if getattr(args, key) != defaults[key]]:
+        raise CLIError(f"--config takes every value from the preset; drop --{given[0].replace('_', '-')}.")
     if command == "privacy":
         if config.head == "probe":
             raise CLIError("fedlora privacy --config does not split a linear-probe phase: `fedlora run` prints that "

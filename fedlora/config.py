@@ -116,7 +116,8 @@ class RunConfig:
     num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
     train_examples: int = _opt(20000, "synthetic train-split size", low=1)
     test_examples: int = _opt(1000, "synthetic test-split size", low=1)
-    model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public synthetic classes; vit-tiny: random init)", choices=tuple(MODELS))
+    model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
+                                         "synthetic classes; vit-tiny: the same at random init)", choices=tuple(MODELS))
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "

@@ -51,6 +51,7 @@ class FedLoRAStrategy(Strategy):
         self.save = save
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
         self.nodes: dict[int, int] | None = None  # partition id -> node id, learned once
+        self.partition_of: dict[int, int] = {}  # its inverse, for the replies
         self.secret_fingerprint: int | None = None  # of the nodes' shared sketch secret (sketch-secret = node-file)
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
         # progress (what a checkpoint holds)

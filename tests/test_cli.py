@@ -1,10 +1,13 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from fedlora.cli import main
+
+QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
 
 
 def test_describe_reports_real_shapes_and_upload_sizes(capsys):
@@ -84,6 +87,9 @@ def test_privacy_poisson_and_non_private(capsys):
     (["--noise-multiplier", "1", "--threat-model", "secret-sketch", "--sampling", "poisson"], "fixed-size sampling"),
     (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
     ([], "Give --target-epsilon or --noise-multiplier"),
+    (["--config", str(QUICKSTART), "--rounds", "5"], "--config takes every value from the preset; drop "
+                                                               "--rounds"),
+    (["--config", "missing.toml"], "Config file 'missing.toml' does not exist"),
 ])
 def test_privacy_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(["privacy", *argv]) == 2
@@ -122,21 +128,21 @@ def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
 def test_privacy_and_describe_of_a_preset(capsys):
     """`--config`: a preset's accounting equals `fedlora run`'s calibration; its upload per round is N times a
     client's."""
-    from pathlib import Path
-
     from fedlora.config import load_config
     from fedlora.experiment import noise_for
 
-    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
+    quickstart = QUICKSTART
     assert main(["privacy", "--config", str(quickstart), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     plan = noise_for(load_config(quickstart))
     assert result["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-3)
     assert result["epsilon"] == pytest.approx(plan.planned.epsilon, rel=1e-3)
     assert (result["noise_placement"], result["clients_per_round"], result["rounds"]) == ("server", 50, 10)
-    gpu = Path(__file__).resolve().parents[1] / "configs" / "cifar100_private.toml"
+    gpu = QUICKSTART.parent / "cifar100_private.toml"
     assert main(["describe", "--config", str(gpu), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "vit-b16-random" and report["clients_per_round"] == 500  # shapes, no hub
     assert main(["describe", "--config", str(gpu)]) == 0
     assert "per round, 500 clients: ffa-lora" in capsys.readouterr().out
+    assert main(["describe", "--config", str(gpu), "--rank", "8"]) == 2
+    assert capsys.readouterr().err == "fedlora: error: --config takes every value from the preset; drop --rank.\n"
