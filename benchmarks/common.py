@@ -76,7 +76,7 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
     flower = logging.getLogger(LOGGER_NAME)
     level, _ = flower.level, flower.setLevel(logging.WARNING)
     try:
-        run_federation(InProcessGrid(app, config.num_clients, run_config),
+        run_federation(InProcessGrid(app, config.flower_nodes(), run_config),
                        Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=run_config),
                        echo=echo)
     finally:

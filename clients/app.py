@@ -1,7 +1,9 @@
 """The fedlora ClientApp: de-sketch the global adapters, train K local SGD steps, clip, privatize, reply.
 
 The backbone and the partition are built once per worker process and reused across rounds and
-partitions; per round only the adapters (and head) are loaded from the server's message.
+partitions; per round only the adapters (and head) are loaded from the server's message. A simulation
+with simulation-nodes sends a node several clients in one message: it runs them in turn on the same
+model and replies with one release per client.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from flwr.clientapp import ClientApp
 
 from fedlora.config import RunConfig, load_splits, run_config_of
 from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
-from fedlora.federation import GlobalState, Protocol, num_bytes
+from fedlora.federation import PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN
 from fedlora.models import model_spec
@@ -88,13 +90,17 @@ def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_i
     return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
 
 
-def reply(msg: Message, release: dict, metrics: dict, clip_bit: float | None = None) -> Message:
-    """The release (and, under adaptive clipping, the clip bit as one float64) with the round's telemetry."""
-    content = RecordDict({"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
-                          "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})})
+def client_records(release: dict, metrics: dict, clip_bit: float | None = None) -> dict:
+    """One client's release (and, under adaptive clipping, its clip bit as one float64) with its telemetry."""
+    records = {"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
+               "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})}
     if clip_bit is not None:
-        content["clip-bit"] = ArrayRecord({"bit": torch.tensor([clip_bit], dtype=torch.float64)})
-    return Message(content, reply_to=msg)
+        records["clip-bit"] = ArrayRecord({"bit": torch.tensor([clip_bit], dtype=torch.float64)})
+    return records
+
+
+def reply(msg: Message, release: dict, metrics: dict, clip_bit: float | None = None) -> Message:
+    return Message(RecordDict(client_records(release, metrics, clip_bit)), reply_to=msg)
 
 
 def round_clip_norm(msg: Message) -> float | None:
@@ -107,20 +113,38 @@ def round_clip_norm(msg: Message) -> float | None:
 def train(msg: Message, context: Context) -> Message:
     startup_seconds = _startup_seconds()
     config, protocol, node = round_setup(msg, context)
-    partition_id = node.partition_id
-    model, base = _model(config, protocol.client_rank(partition_id))
     round_config = msg.content["config"]
     state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
                         int(round_config["produced-by"]))
+    if PACKED not in round_config:  # this node's own client
+        return reply(msg, *_client_round(msg, config, protocol, state, node.partition_id,
+                                         _local_data(config, node), startup_seconds))
+    if node.data_dir:
+        raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
+                         "(simulation-nodes) are for simulations.")
+    records = {}
+    for partition_id in round_config[PACKED]:
+        data = _local_data(config, NodeSettings(int(partition_id), config.num_clients))
+        one = client_records(*_client_round(msg, config, protocol, state, int(partition_id), data, startup_seconds))
+        records.update({packed_key(key, partition_id): record for key, record in one.items()})
+        startup_seconds = 0.0
+    return Message(RecordDict(records), reply_to=msg)
+
+
+def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,
+                  data, startup_seconds: float) -> tuple[dict, dict, float | None]:
+    """One client's round: its release, telemetry and clip bit."""
+    model, base = _model(config, protocol.client_rank(partition_id))
+    round_config = msg.content["config"]
     round_, release = int(round_config["server-round"]), int(round_config["release"])
-    result = protocol.local_round(model, base, _local_data(config, node), state, round_=round_, release=release,
-                                  partition_id=partition_id, noise=round_noise(config, protocol, release, partition_id),
+    result = protocol.local_round(model, base, data, state, round_=round_, release=release, partition_id=partition_id,
+                                  noise=round_noise(config, protocol, release, partition_id),
                                   clip_norm=round_clip_norm(msg))
     metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
                "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds}
     if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
         metrics["train-loss"] = float(result.train_loss)
-    return reply(msg, result.release, metrics, result.clip_bit)
+    return result.release, metrics, result.clip_bit
 
 
 def canary_train(msg: Message, context: Context, direction: dict) -> Message:

@@ -348,6 +348,9 @@ def deploy(args: argparse.Namespace) -> None:
             raise CLIError('sketch-secret = "run-seed" would give the server the secret sketch: deployments read it '
                            'from each SuperNode (sketch-secret = "node-file").')
         config = RunConfig.from_mapping({"sketch-secret": "node-file"}, base=config)
+    if config.simulation_nodes:
+        raise CLIError("simulation-nodes is for simulations: a deployment runs one SuperNode per client, each "
+                       "training on its own data; leave it at 0.")
     if args.insecure and args.credentials:
         raise CLIError("--insecure and --credentials exclude each other.")
     if config.sketch_secret == "node-file" and args.insecure:

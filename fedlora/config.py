@@ -131,6 +131,10 @@ class RunConfig:
                                        "OS's secure randomness (deployments)", choices=("seeded", "os"))
     client_cpus: int = _opt(1, "CPUs per simulated client (Ray)", low=1)
     client_gpus: float = _opt(0.0, "GPU fraction per simulated client (Ray)", low=0.0, high=1.0)
+    simulation_nodes: int = _opt(0, "simulation: Flower nodes that run the clients (0: one per client, each sampled "
+                                     "client a message, as in a deployment; k: k nodes, each round's sampled clients "
+                                     "spread over them, several per message: for cohorts in the hundreds, whose "
+                                     "thousands of nodes Flower's engine would poll)", low=0)
 
     @staticmethod
     def key(name: str) -> str:
@@ -186,6 +190,9 @@ class RunConfig:
         algorithm = get_algorithm(self.strategy)
         if self.clients_per_round > self.num_clients:
             problems.append(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
+                            f"({self.num_clients}).")
+        if self.simulation_nodes > self.num_clients:
+            problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")
         if self.min_replies > self.clients_per_round:
             problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
@@ -258,6 +265,10 @@ class RunConfig:
     def count_stddev(self) -> float:
         """Adaptive clipping: the standard deviation of the noise on the count of clients under the clip norm."""
         return self.clip_count_stddev or self.clients_per_round / 20
+
+    def flower_nodes(self) -> int:
+        """The Flower nodes a simulation runs: simulation-nodes, else one per client."""
+        return self.simulation_nodes or self.num_clients
 
     def required_replies(self) -> int:
         """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up)."""

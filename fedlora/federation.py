@@ -338,5 +338,13 @@ class Protocol:
         return {**out, **head}
 
 
+PACKED = "partitions"  # round config of a simulation message that carries several clients: their partition ids
+
+
+def packed_key(record: str, partition: int) -> str:
+    """The key of one client's record ("arrays", "metrics", "clip-bit") in a reply that carries several."""
+    return f"{record}/{partition}"
+
+
 def num_bytes(message: Message) -> int:
     return sum(t.numel() * t.element_size() for t in message.values())

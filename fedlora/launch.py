@@ -203,7 +203,7 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
                 "--disable-runtime-dependency-installation"])
             flower.wait_for_port(port, superlink, "superlink", start_timeout)
             saved = flower.follow(app_dir, config, echo, federation_config=(
-                f"num-supernodes={config.num_clients} client-resources-num-cpus={config.client_cpus} "
+                f"num-supernodes={config.flower_nodes()} client-resources-num-cpus={config.client_cpus} "
                 f"client-resources-num-gpus={config.client_gpus}"), resume=resume)
         if saved is None or saved.status != RESTART or restart == ENGINE_RESTARTS:
             break

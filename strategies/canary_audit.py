@@ -66,6 +66,8 @@ def check_canary_audit(config: RunConfig, canaries: int) -> None:
     if config.sampling != "fixed":  # an excluded canary sends zero: a replaced message, not an absent client
         problems.append('The canary audit compares with the replace-one accountant of fixed sampling: use sampling = '
                         '"fixed".')
+    if config.simulation_nodes:
+        problems.append("The canary audit gives each canary a node of its own: leave simulation-nodes at 0.")
     if problems:
         raise ValueError("\n".join(problems))
 

@@ -11,7 +11,7 @@ from logging import INFO, WARNING
 
 import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Error, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Result, Strategy
@@ -19,7 +19,7 @@ from flwr.supercore import log
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED, Checkpoint
 from fedlora.mechanisms import NoisePlacement
-from fedlora.federation import LORA, GlobalState, Protocol, derive_seed, num_bytes
+from fedlora.federation import LORA, PACKED, GlobalState, Protocol, derive_seed, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
 
 
@@ -50,8 +50,10 @@ class FedLoRAStrategy(Strategy):
         self.phase_releases = releases  # phase -> what one release of that phase is, for the ledger
         self.save = save
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
-        self.nodes: dict[int, int] | None = None  # partition id -> node id, learned once
-        self.partition_of: dict[int, int] = {}  # its inverse, for the replies
+        # simulation-nodes: several clients per message, dealt over that many nodes (else a node per client)
+        self.num_nodes = self.config.flower_nodes()
+        self.packed = self.num_nodes != self.sampling.num_clients
+        self.nodes: dict[int, int] | None = None  # the nodes' partition-id -> node id, learned once
         self.secret_fingerprint: int | None = None  # of the nodes' shared sketch secret (sketch-secret = node-file)
         self.rounds: dict[int, dict] = {}  # what each round did, for the run's metrics
         # progress (what a checkpoint holds)
@@ -167,9 +169,8 @@ class FedLoRAStrategy(Strategy):
             ask = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
             replies = [r for r in grid.send_and_receive(ask) if r.has_content()]
             self.nodes = {int(r.content["metrics"]["partition-id"]): r.metadata.src_node_id for r in replies}
-            self.partition_of = {n: p for p, n in self.nodes.items()}
-            if sorted(self.nodes) != list(range(self.sampling.num_clients)):
-                raise RuntimeError(f"Clients must hold partitions 0..{self.sampling.num_clients - 1} once each; "
+            if sorted(self.nodes) != list(range(self.num_nodes)):
+                raise RuntimeError(f"Nodes must hold partition ids 0..{self.num_nodes - 1} once each; "
                                    f"they reported {sorted(self.nodes)[:10]}...")
             if self.config.sketch_secret == "node-file":
                 fingerprint = self._shared_fingerprint(replies)
@@ -194,15 +195,15 @@ class FedLoRAStrategy(Strategy):
         return next(iter(prints.values()))
 
     def _wait_for_nodes(self, grid: Grid) -> list[int]:
-        """The federation's node ids once num-clients SuperNodes are connected (deployed ones connect over
-        time), or as they are after NODE_WAIT_SECONDS."""
+        """The federation's node ids once all its SuperNodes are connected (deployed ones connect over time), or
+        as they are after NODE_WAIT_SECONDS."""
         deadline, told = time.time() + NODE_WAIT_SECONDS, -1
         while True:
             node_ids = sorted(grid.get_node_ids())
-            if len(node_ids) >= self.sampling.num_clients or time.time() > deadline:
+            if len(node_ids) >= self.num_nodes or time.time() > deadline:
                 return node_ids
             if len(node_ids) != told:
-                log(INFO, "Waiting for SuperNodes: %s of %s connected", len(node_ids), self.sampling.num_clients)
+                log(INFO, "Waiting for SuperNodes: %s of %s connected", len(node_ids), self.num_nodes)
                 told = len(node_ids)
             time.sleep(1.0)
 
@@ -222,10 +223,10 @@ class FedLoRAStrategy(Strategy):
         the messages (the global adapters and the round's public parameters)."""
         if self.nodes is None:
             node_ids = self._wait_for_nodes(grid)
-            if len(node_ids) != self.sampling.num_clients:  # the accountant's C must be the federation's
-                raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but num-clients is "
-                                   f"{self.sampling.num_clients}; make them equal (e.g. --federation-config "
-                                   f"\"num-supernodes={self.sampling.num_clients}\").")
+            if len(node_ids) != self.num_nodes:  # the accountant's C must be the federation's
+                wanted = f"simulation-nodes is {self.num_nodes}" if self.packed else f"num-clients is {self.num_nodes}"
+                raise RuntimeError(f"The federation has {len(node_ids)} SuperNodes but {wanted}; make them equal "
+                                   f"(e.g. --federation-config \"num-supernodes={self.num_nodes}\").")
             self._partition_nodes(grid, node_ids)
         if not self.replay:
             self.releases += 1
@@ -244,40 +245,64 @@ class FedLoRAStrategy(Strategy):
             # known-sketch: the release's sketch seed is public; secret-sketch: clients derive it themselves
             "sketch-seed": int(c.sketch_seed) if self.config.threat_model == "known-sketch" else -1,
         })
+        if self.packed:  # the partitions dealt over the nodes in turn: equal work, since every client takes K steps
+            assigned = {self.nodes[i]: partitions[i::self.num_nodes] for i in range(self.num_nodes)
+                        if partitions[i::self.num_nodes]}
+        else:
+            assigned = {self.nodes[p]: [p] for p in partitions}
         self.rounds[server_round] = {"started": self.rounds.get(server_round, {}).get("started", time.time()),
                                      "release": release, "partitions": partitions, "sampled": len(partitions),
-                                     "needed": min(self.config.required_replies(), len(partitions)),
+                                     "assigned": assigned, "needed": min(self.config.required_replies(), len(partitions)),
                                      "bytes_down": num_bytes(self.state.message)}
         log(INFO, "configure_train: release %s, sampled %s of %s clients", release, len(partitions),
             self.sampling.num_clients)
-        content = RecordDict({"arrays": to_arrays(self.state.message), "config": round_config})
-        return [Message(content=content, message_type=MessageType.TRAIN, dst_node_id=self.nodes[p])
-                for p in partitions]
+        arrays = to_arrays(self.state.message)
+        return [Message(content=RecordDict({"arrays": arrays, "config": ConfigRecord(
+                            {**round_config, PACKED: clients}) if self.packed else round_config}),
+                        message_type=MessageType.TRAIN, dst_node_id=node) for node, clients in assigned.items()]
 
     def _release(self, server_round: int) -> tuple:
         """(phase, release, sampling) of one release in ``server_round``, as the ledger takes them."""
         phase = self.protocol.phase(server_round)
         return phase, self.phase_releases[phase], self.sampling
 
-    def _valid(self, reply: Message, server_round: int, partitions: set[int]) -> tuple[int, dict] | None:
-        """(partition, release) of a reply that may be aggregated; None (and a warning) for a failed or
-        invalid one, which is never aggregated."""
-        partition = self.partition_of.get(reply.metadata.src_node_id)
-        if reply.has_error():
-            if self.simulated and reply.error.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
+    @staticmethod
+    def _client_replies(replies: list[Message], assigned: dict[int, list[int]],
+                        packed: bool) -> list[tuple[int | None, RecordDict | None, Error | None]]:
+        """(partition, records, error) of every client the replies speak for: a reply's node's clients this round
+        (None for a node that was not sent any), each with its own records, or its node's error."""
+        out = []
+        for reply in replies:
+            for partition in assigned.get(reply.metadata.src_node_id, [None]):
+                if reply.has_error():
+                    out.append((partition, None, reply.error))
+                elif not packed:
+                    out.append((partition, reply.content, None))
+                else:
+                    out.append((partition, RecordDict({key: reply.content[packed_key(key, partition)]
+                                                       for key in ("arrays", "metrics", "clip-bit")
+                                                       if packed_key(key, partition) in reply.content}), None))
+        return out
+
+    def _valid(self, partition: int | None, records: RecordDict | None, error: Error | None, server_round: int,
+               pending: set[int]) -> tuple[int, dict, float | None, MetricRecord] | None:
+        """(partition, release, clip bit, metrics) of a client's reply that may be aggregated; None (and a warning)
+        for a failed or invalid one, which is never aggregated."""
+        if error is not None:
+            if self.simulated and error.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
                 self.status, self.reason = RESTART, "a simulation worker died"
             who = f"the client of partition {partition}" if partition is not None else "a sampled client"
             log(WARNING, "Round %s: %s failed: %s", server_round, who,
-                reply.error.reason.splitlines()[0][:300] if reply.error.reason else reply.error.code)
+                error.reason.splitlines()[0][:300] if error.reason else error.code)
             return None
         problem = None
-        if partition not in partitions:
+        if partition not in pending:
             problem = "its node was not sampled, or replied already"
-        elif "arrays" not in reply.content.array_records:
+        elif "arrays" not in records.array_records:
             problem = "it carries no arrays"
         else:
-            release = dict(reply.content["arrays"].to_torch_state_dict())
-            bits = reply.content.array_records.get("clip-bit")
+            release = dict(records["arrays"].to_torch_state_dict())
+            bits = records.array_records.get("clip-bit")
             bit = bits.to_torch_state_dict().get("bit") if bits is not None else None
             problem = self.protocol.release_problem(
                 release, self.template, round_=server_round, rank=self.protocol.client_rank(partition),
@@ -285,19 +310,20 @@ class FedLoRAStrategy(Strategy):
         if problem:
             log(WARNING, "Round %s: rejected the reply of partition %s: %s.", server_round, partition, problem)
             return None
-        partitions.discard(partition)  # one reply per sampled client
-        return partition, release, float(bit) if self.protocol.clipping is not None else None
+        pending.discard(partition)  # one reply per sampled client
+        metrics = records.metric_records.get("metrics", MetricRecord())
+        return partition, release, float(bit) if self.protocol.clipping is not None else None, metrics
 
     def aggregate_train(self, server_round: int,
                         replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
         """The new global adapters from the valid replies, if at least the required number arrived."""
         info = self.rounds[server_round]
-        replies = list(replies)
+        clients = self._client_replies(list(replies), info["assigned"], self.packed)
         pending = set(info["partitions"])
-        valid = sorted((v for r in replies if (v := self._valid(r, server_round, pending)) is not None),
+        valid = sorted((v for c in clients if (v := self._valid(*c, server_round, pending)) is not None),
                        key=lambda v: v[0])  # by partition
-        failed = sum(r.has_error() for r in replies)
-        info.update(replies=len(valid), failed=failed, rejected=len(replies) - failed - len(valid), bytes_up=0,
+        failed = sum(error is not None for _, _, error in clients)
+        info.update(replies=len(valid), failed=failed, rejected=len(clients) - failed - len(valid), bytes_up=0,
                     train_loss=float("nan"))
         if len(valid) < info["needed"]:
             self.save()  # the failed release stays counted
@@ -309,14 +335,13 @@ class FedLoRAStrategy(Strategy):
         if not valid and protocol.placement is NoisePlacement.CLIENT:  # Poisson sampled nobody: nothing is released
             return to_arrays(self.state.message), MetricRecord({"replies": 0})
         # noise at the server is released even for an empty round: an absent client must change nothing visible
-        releases = [release for _, release, _ in valid] or [self._zero_release(server_round)]
-        by_partition = {r.metadata.src_node_id: r for r in replies if r.has_content()}
-        metrics = [by_partition[self.nodes[p]].content["metrics"] for p, _, _ in valid]
+        releases = [release for _, release, _, _ in valid] or [self._zero_release(server_round)]
+        metrics = [m for _, _, _, m in valid]
         started = time.time()
         self.state = protocol.aggregate(releases, server_round, self.state, release=info["release"],
                                         clip_norm=self.clip_norm, noise=server_noise, optimizer=self.optimizer)
         if protocol.clipping is not None and protocol.phase(server_round) == LORA:
-            fraction = protocol.clipping.noisy_fraction([bit for _, _, bit in valid],
+            fraction = protocol.clipping.noisy_fraction([bit for _, _, bit, _ in valid],
                                                         protocol.denominator(len(valid)), server_noise)
             self.clip_norm = protocol.clipping.next_clip_norm(self.clip_norm, fraction)
             info["clip_fraction"] = fraction
@@ -324,7 +349,7 @@ class FedLoRAStrategy(Strategy):
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
                     **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]) if metrics else np.nan)
                        for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
-        del releases, valid  # with noise at the server, no single message outlives the aggregation
+        del releases, valid, clients  # with noise at the server, no single message outlives the aggregation
         return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
 
     def _zero_release(self, server_round: int) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ BAD_CONFIGS = [
     ({"strategy": "sgmv-flexlora"}, "SGMV cannot be used with FlexLoRA"),
     ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
     ({"min-replies": 51}, "min-replies (51) cannot exceed clients-per-round (50)"),
+    ({"num-clients": 8, "clients-per-round": 4, "simulation-nodes": 9}, "simulation-nodes (9) cannot exceed num-clients"),
     ({"rank": 0}, "rank must be >= 1"),
     ({"rank": 500}, "Rank 500 exceeds the smallest side (192)"),
     ({"sketch-dim": 500}, "Sketch dimension 500 must lie in [1, 192] for sgmm-ffa-lora"),
@@ -145,9 +146,9 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
     assert gpu.target_epsilon <= 8 and gpu.delta < 1 / gpu.num_clients
     offline = load_config(preset, ["model=vit-tiny-public", 'dataset="synthetic"', "num-clients=8",
                                    "clients-per-round=4", "num-rounds=1", "train-examples=400", "test-examples=100",
-                                   "sketch-dim=150", "client-gpus=0"])
+                                   "sketch-dim=150", "client-gpus=0", "simulation-nodes=2"])
     values = {**offline.to_mapping(), "out-dir": str(tmp_path)}
-    run_federation(InProcessGrid(app, 8, values), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+    run_federation(InProcessGrid(app, 2, values), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                                            run_config=values), echo=lambda line: None)
     import json
 

@@ -83,6 +83,7 @@ def test_a_tls_deployment_with_node_auth_keeps_the_sketch_secret_on_the_nodes(tm
     (["--set", "threat-model=secret-sketch", "--insecure"], "drop --insecure"),
     (["--insecure", "--credentials", "creds"], "exclude each other"),
     (["--credentials", "missing"], "fedlora credentials DIR --nodes 2"),
+    (["--set", "simulation-nodes=1"], "simulation-nodes is for simulations"),
 ])
 def test_deploy_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.chdir(tmp_path)

@@ -25,7 +25,7 @@ SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 2
 
 def _run(tmp_path, **overrides):
     config = {**SMALL, **{k.replace("_", "-"): v for k, v in overrides.items()}, "out-dir": str(tmp_path)}
-    grid = InProcessGrid(client_app, config["num-clients"], config)
+    grid = InProcessGrid(client_app, config.get("simulation-nodes") or config["num-clients"], config)
     strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
                                             run_config=config), echo=lambda line: None)
     return strategy, grid, config
@@ -244,3 +244,23 @@ def test_the_noise_on_the_aggregate_has_the_stated_deviation(placement, strategy
     expected = z * config.clip_norm / (n if placement == "server" else n ** 0.5)
     assert noise.numel() > 2000 and float(noise.std()) == pytest.approx(expected, rel=0.03)
     assert abs(float(noise.mean())) < 4 * expected / noise.numel() ** 0.5
+
+
+@pytest.mark.parametrize("overrides", [
+    {"strategy": "sgmm-ffa-lora", "noise-placement": "server", "message": "update", "clip-quantile": 0.5,
+     "clip-count-stddev": 2.0},
+    {"strategy": "sgmm-flexlora", "client-ranks": "2,4"},  # the paper's round: each client noises its own
+])
+def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
+    """simulation-nodes deals a round's clients over a few nodes, several per message: the same releases, so the
+    same global state, ledger and metrics as one message per client."""
+    overrides = {**overrides, "target-epsilon": 10.0, "num-clients": 7, "clients-per-round": 5}
+    one, _, _ = _run(tmp_path / "one", **overrides)
+    packed, grid, _ = _run(tmp_path / "packed", simulation_nodes=2, **overrides)
+    assert len(grid.node_ids) == 2 and len(grid.calls) == 2 * 2  # two messages a round
+    assert all(torch.equal(one.state.message[n], packed.state.message[n]) for n in one.state.message)
+    assert packed.ledger.report().epsilon == one.ledger.report().epsilon
+    keep = ("accuracy", "epsilon", "replies", "failed", "rejected", "bytes_up", "clip_norm")
+    rows = [[{k: r[k] for k in keep} for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
+            for d in ("one", "packed")]
+    assert rows[0] == rows[1] and all(r["replies"] == 5 for r in rows[1])

@@ -15,7 +15,7 @@ from clients.app import app as client_app
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, STALLED, STATE_FILE, Checkpoint
 from fedlora.config import RESUME_KEY, RunConfig
 from fedlora.experiment import noise_for, sampling_of
-from fedlora.federation import Protocol
+from fedlora.federation import Protocol, packed_key
 from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
 from fedlora.sketch import SketchKey
 from strategies.inprocess_grid import InProcessGrid
@@ -29,7 +29,7 @@ SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 3
 
 def _run(out_dir, client=client_app, **overrides):
     config = {**SMALL, **{k.replace("_", "-"): v for k, v in overrides.items()}, "out-dir": str(out_dir)}
-    grid = InProcessGrid(client, config["num-clients"], config)
+    grid = InProcessGrid(client, config.get("simulation-nodes") or config["num-clients"], config)
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     return run_federation(grid, context, echo=lambda line: None), grid
 
@@ -345,3 +345,23 @@ def test_noise_at_the_server_keeps_single_messages_out_of_logs_and_checkpoints(t
     saved = Checkpoint.load(tmp_path)
     assert set(saved.state.message) == set(strategy.template)  # the aggregate only
     assert all(name.startswith(("momentum/", "adam-")) for name in saved.optimizer)
+
+
+def test_a_packed_message_that_fails_loses_each_of_its_clients(tmp_path):
+    """With several clients per message, a node's failure is a failed reply for every client it carried; a
+    forged reply for a client its node was not sent is ignored."""
+    def app(message, context):
+        if message.metadata.message_type == "train" and context.node_config["partition-id"] == 0:
+            raise RuntimeError("injected")
+        reply = client_app(message, context)
+        if message.metadata.message_type == "train":  # node 1 also answers for a client it was not sent
+            partitions = list(message.content["config"]["partitions"])
+            stranger = next(p for p in range(5) if p not in partitions)
+            reply.content[packed_key("arrays", stranger)] = reply.content[packed_key("arrays", partitions[0])]
+        return reply
+
+    strategy, grid = _run(tmp_path, app, simulation_nodes=2, min_replies=1, num_rounds=1)
+    rows = _rows(tmp_path)
+    assert len(grid.calls) == 2 and rows[0]["sampled"] == 3
+    assert rows[0]["failed"] == 2 and rows[0]["replies"] == 1 and rows[0]["rejected"] == 0  # node 0 carried 2
+    assert strategy.ledger.rounds == 1

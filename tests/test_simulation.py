@@ -21,11 +21,12 @@ TINY = ["noise-placement=client", "message=adapter", "num-clients=3", "clients-p
         "train-examples=150", "test-examples=60"]
 
 
+# with both clients of a round in one message to one node (simulation-nodes)
 LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
-          "clip-count-stddev": 5.0}
+          "clip-count-stddev": 5.0, "simulation-nodes": 1}
 
 
-@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS], ids=["paper", "server-update-adaptive"])
+@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS], ids=["paper", "server-update-adaptive-one-node"])
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch, levers):
     monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
