@@ -72,7 +72,8 @@ def measure(n: int, steady: int, overrides: list[str], out_dir: str, paths: list
                                 f"eval-every={rounds + 1}", *overrides])
     print(f"== N = {n}, C = {4 * n}: bare loop", flush=True)
     bare_s = statistics.mean(bare_rounds(config, steady + 1)[1:])  # its first round warms up
-    result = {"n": n, "c": 4 * n, "bare_s": bare_s, "steady_rounds": steady, "commit": revision()}
+    result = {"n": n, "c": 4 * n, "bare_s": bare_s, "steady_rounds": steady, "commit": revision(),
+              "command": command_line("benchmarks.overhead")}
     for path in paths:
         nodes = max(1, (os.cpu_count() or 1) // config.client_cpus) if path == "packed" else 0
         run_config = RunConfig.from_mapping({"simulation-nodes": nodes}, base=config)
@@ -124,8 +125,9 @@ def main() -> None:
     lines = [
         "# Overhead: the real simulation against a bare PyTorch loop, as cohorts grow",
         "",
-        f"Command: `{command_line('benchmarks.overhead')}` (rows of earlier runs are kept in overhead.json: "
-        "each row's commit is in its last column)  ",
+        "Commands: " + ", ".join(f"`{c}` (N = {', '.join(str(r['n']) for r in rows if r['command'] == c)})"
+                                 for c in dict.fromkeys(r["command"] for r in rows))
+        + " (each N's row is kept in overhead.json; its commit is in the last column)  ",
         f"Machine: {machine()}  ",
         f"Setting: the quickstart's client work ({config.strategy}, {config.model}, K = {config.local_steps}, batch "
         f"{config.batch_size}, noise at the {config.noise_placement}, message {config.message}) with C = 4 N; "
