@@ -11,7 +11,8 @@ process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol
 continues where it stopped, and the tables are written from whatever is there.
 
 FFA strategies run the quickstart's form (clients send updates, applied by server SGD). FlexLoRA cannot send
-updates (an update of the factors is not an update of their product): its runs send adapters.
+updates (an update of the factors is not an update of their product): its runs send adapters. Secure aggregation
+(noise in shares under SecAgg+) runs for the FFA strategies, at the default min-replies (N / 2).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from fedlora.experiment import noise_for
 
 PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
-PLACEMENTS = ("client", "server")
+PLACEMENTS = ("client", "server", "secagg")  # secagg: FFA strategies (FlexLoRA under SecAgg+ is not built)
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 COHORTS = (5, 10, 25, 50, 100)  # N at C = 500 (the quickstart's C)
 COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")
@@ -52,7 +53,8 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int]) -> list[dict
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
-            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS]
+            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS
+                      if not (placement == "secagg" and _family(strategy) == "flex")]
         cases += [("frontier", reference, "-", math.inf, None) for reference in REFERENCE.values()]
     if "cohort" in parts:
         for n in COHORTS:
@@ -220,7 +222,7 @@ def _plot(rows: list[dict], chance: float) -> None:
     import matplotlib.pyplot as plt
 
     frontier = [r for r in rows if r["part"] == "frontier"]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
     for ax, placement in zip(axes, PLACEMENTS):
         for strategy in PRIVATE:
             points = sorted((float(r["epsilon"]), r["accuracy"], r["spread"]) for r in frontier
@@ -234,11 +236,12 @@ def _plot(rows: list[dict], chance: float) -> None:
                 ax.axhline(ref[0], ls="--", lw=1, color="grey" if reference == "ffa-lora" else "black",
                            label=f"{reference} (not private)")
         ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
-        ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=f"noise at the {placement}")
+        where = "noise in shares under SecAgg+" if placement == "secagg" else f"noise at the {placement}"
+        ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=where)
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final test accuracy")
-    axes[1].legend(fontsize=7)
+    axes[-1].legend(fontsize=7)
     save_figure(fig, "privacy_utility_epsilon.png")
 
     cohort = [r for r in rows if r["part"] == "cohort"]

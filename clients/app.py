@@ -13,8 +13,10 @@ from functools import lru_cache
 
 import psutil
 import torch
-from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedlora.config import RunConfig, load_splits, run_config_of
 from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
@@ -111,6 +113,8 @@ def round_clip_norm(msg: Message) -> float | None:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
+    if RECORD_KEY_CONFIGS in msg.content.config_records:  # a stage of SecAgg+ (noise-placement = "secagg")
+        return secaggplus_mod(msg, context, secure_train)
     startup_seconds = _startup_seconds()
     config, protocol, node = round_setup(msg, context)
     round_config = msg.content["config"]
@@ -129,6 +133,35 @@ def train(msg: Message, context: Context) -> Message:
         records.update({packed_key(key, partition_id): record for key, record in one.items()})
         startup_seconds = 0.0
     return Message(RecordDict(records), reply_to=msg)
+
+
+def secure_train(msg: Message, context: Context) -> Message:
+    """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
+    share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
+    startup_seconds = _startup_seconds()
+    config, protocol, node = round_setup(msg, context)
+    round_config = msg.content["config"]
+    state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
+                        int(round_config["produced-by"]))
+    release, metrics, _ = _client_round(msg, config, protocol, state, node.partition_id, _local_data(config, node),
+                                        startup_seconds)
+    started = time.perf_counter()
+    mechanism = protocol.mechanism_for(int(round_config["server-round"]), round_clip_norm(msg))
+    codec = protocol.secure_sum(mechanism, sum(t.numel() for t in release.values()))
+    encoded = codec.encode(release, protocol.secure_noise(int(round_config["release"]), node.partition_id))
+    metrics["privatize-seconds"] += time.perf_counter() - started
+    return secure_reply(msg, encoded, metrics)
+
+
+def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
+    """A round's integers (by entry name, sent in name order) and telemetry, in the layout secaggplus_mod reads:
+    weight 1, so that the mod's weighting leaves the integers as they are."""
+    return Message(RecordDict({
+        "fitres.parameters": ArrayRecord([encoded[name] for name in sorted(encoded)]),
+        "fitres.num_examples": MetricRecord({"num_examples": 1}),
+        "fitres.metrics": ConfigRecord(metrics),
+        "fitres.status": ConfigRecord({"code": 0, "message": ""}),
+    }), reply_to=msg)
 
 
 def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,

@@ -129,6 +129,45 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
         args.clients_per_round = config.clients_per_round
 
 
+def _secagg_preset(path: str) -> bool:
+    from fedlora.config import load_config
+
+    return load_config(path).noise_placement == "secagg"
+
+
+def _secure_privacy(args: argparse.Namespace) -> None:
+    """`fedlora privacy --config` of a secure-aggregation preset: its accounting depends on the message's size and
+    min-replies, so it is the run's own (noise_for), at the preset's shapes."""
+    from dataclasses import replace
+
+    from fedlora.config import load_config
+    from fedlora.experiment import noise_for, one_reply_report
+
+    if not args.config:
+        raise CLIError("--noise-placement secagg is accounted from a run's message size and min-replies: give "
+                       "--config FILE with noise-placement = \"secagg\".")
+    _from_config(args, "privacy")  # refuses flags the preset would override
+    config = load_config(args.config)
+    config = replace(config, model=model_spec(config.model).random_twin or config.model)  # shapes only, no hub
+    plan = noise_for(config)
+    alone = one_reply_report(config, plan)
+    result = {"strategy": config.strategy, "noise_multiplier": plan.noise_multiplier, "epsilon": plan.planned.epsilon,
+              "delta": config.delta, "threat_model": plan.planned.threat_model, "method": plan.planned.method,
+              "rounds": config.num_rounds, "clients_per_round": config.clients_per_round,
+              "num_clients": config.num_clients, "min_replies": config.required_replies(),
+              "one_reply_epsilon": alone.epsilon, "summary": plan.planned.describe()}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{config.strategy}: {config.num_rounds} rounds, {config.clients_per_round} of {config.num_clients} clients "
+          f"per round, secure aggregation of at least {config.required_replies()} replies")
+    print(f"noise multiplier z = {plan.noise_multiplier:.4g} in the sum; each client adds its share, z / "
+          f"sqrt({config.required_replies()}) = {plan.noise_multiplier / config.required_replies() ** 0.5:.4g}")
+    print(plan.planned.describe())
+    print(f"one client's reply alone: epsilon = {alone.epsilon:.4g} (against a server that breaks SecAgg+ or sums "
+          "fewer than min-replies replies)")
+
+
 def _validate_privacy(args: argparse.Namespace) -> None:
     """Every check before any computation; each failure is one sentence."""
     if args.strategy == "sgmv-flexlora":
@@ -241,7 +280,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     from pathlib import Path
 
     from fedlora.checkpoint import STATE_FILE
-    from fedlora.experiment import check_before_start, noise_for, sampling_of
+    from fedlora.experiment import check_before_start, noise_for, one_reply_report, sampling_of
     from fedlora.federation import Protocol
 
     check_before_start(config)
@@ -259,6 +298,9 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     print(f"  mechanism: {protocol.describe()}")
     if plan.planned is not None:
         print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
+        if (alone := one_reply_report(config, plan)) is not None:
+            print(f"  one client's reply alone (noise z / sqrt({config.required_replies()})): epsilon = "
+                  f"{alone.epsilon:.4g}, what a server that breaks SecAgg+ or sums fewer replies could learn")
         budget = config.budget()
         if budget is not None and plan.planned.epsilon > budget:
             if plan.new_ledger(config).would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)],
@@ -390,6 +432,9 @@ def audit(args: argparse.Namespace) -> dict:
     config = load_config(args.config, preset + args.set)
     if config.sketch_secret == "node-file":
         raise CLIError('The audit simulates the clients: use sketch-secret = "run-seed".')
+    if config.noise_placement == "secagg":
+        raise CLIError('fedlora audit does not audit secure aggregation yet (its release is integers with Skellam '
+                       'noise, not the Gaussian the audit draws): audit noise-placement = "server", the same z.')
     canaries = min(300, config.num_clients * 3 // 4) if args.canaries is None else args.canaries
     if args.canaries is None and canaries < MIN_CANARIES:  # too few clients for the run: the mechanism level only
         canaries = 0
@@ -522,8 +567,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sketch-dim", type=_positive, help="b for SGMM (default 150), h for SGMV (default 150 r)")
     p.add_argument("--model", default="vit-b16", choices=list(MODELS), help="whose layer sizes bound the sketch")
     p.add_argument("--threat-model", default="known-sketch", choices=["known-sketch", "secret-sketch"])
-    p.add_argument("--noise-placement", default="client", choices=["client", "server"],
-                   help="noise on every client's message (default, the paper's), or on their sum at the server")
+    p.add_argument("--noise-placement", default="client", choices=["client", "server", "secagg"],
+                   help="noise on every client's message (default, the paper's), on their sum at the server, or in "
+                        "shares under secure aggregation (with --config)")
     p.add_argument("--clip-count-stddev", type=_float_arg, help="adaptive clipping: the noise on the clip count, "
                                                                 "composed with the update's")
     p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
@@ -571,6 +617,8 @@ def main(argv: list[str] | None = None) -> int:
             from fedlora.privacy.paper import paper_table
             rows = paper_table()
             print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
+        elif args.noise_placement == "secagg" or (args.config and _secagg_preset(args.config)):
+            _secure_privacy(args)
         else:
             if args.config:
                 _from_config(args, "privacy")

@@ -37,7 +37,7 @@ DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "tra
 # `fedlora audit` without --config: the quickstart (enough clients per round for canaries), evaluation at the end only
 AUDIT_PRESET = {"eval-every": 10}
 HEAD_MODES = ("message", "probe", "frozen")
-PLACEMENTS = ("client", "server")
+PLACEMENTS = ("client", "server", "secagg")
 MESSAGE_FORMS = ("adapter", "update")
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -84,7 +84,10 @@ class RunConfig:
     noise_placement: str = _opt("server", "where the noise is added: by each client to its own message (the paper; "
                                           "the guarantee holds against the server too), or by the server to the sum "
                                           "of the round's messages (central DP: the guarantee holds against everyone "
-                                          "who sees the model, not against the server)", choices=PLACEMENTS)
+                                          "who sees the model, not against the server), or by the clients in shares "
+                                          "of a sum the server only sees through secure aggregation (SecAgg+: the "
+                                          "guarantee holds against a server that follows the protocol)",
+                                 choices=PLACEMENTS)
     message: str = _opt("update", "what a client sends: its whole local adapter (the paper), or its update, the "
                                    "change from the global adapter it started from (DP-FedAvg), which the server "
                                    "applies with server-optimizer", choices=MESSAGE_FORMS)
@@ -121,7 +124,8 @@ class RunConfig:
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
-                                "clients-per-round, rounded up)", low=0)
+                                "clients-per-round, rounded up; at least 2 under secure aggregation, where it is "
+                                "N_min, the fewest replies a sum is released with)", low=0)
     round_retries: int = _opt(2, "retries of a round with too few valid replies before the run stops (every try is "
                                  "a release and counts in epsilon)", low=0)
     reply_timeout: float = _opt(600.0, "seconds a round waits for its clients' replies", low=0.0, low_open=True)
@@ -240,6 +244,8 @@ class RunConfig:
                 problems.append('noise-placement = "server" needs threat-model = "known-sketch": the secret-sketch '
                                 "bound is derived for noise on every client's message, not on their sum (set "
                                 'noise-placement = "client" for secret-sketch).')
+        if self.noise_placement == "secagg":
+            problems += self._secagg_problems(algorithm)
         if self.message == "update":
             if algorithm.family is LoRAMode.FLEX:
                 problems.append('message = "update" needs an FFA strategy: FlexLoRA aggregates the product B A of '
@@ -262,6 +268,34 @@ class RunConfig:
             problems.append("clip-lr and clip-count-stddev apply to adaptive clipping: set clip-quantile > 0.")
         return problems
 
+    def _secagg_problems(self, algorithm) -> list[str]:
+        """What secure aggregation (noise-placement = "secagg") needs."""
+        if not algorithm.private:
+            return [f'noise-placement = "secagg" adds the noise in shares: {self.strategy} adds none (choose a '
+                    'private strategy, or noise-placement = "server" for the non-private reference).']
+        problems = []
+        if algorithm.sketched and self.threat_model == "secret-sketch":
+            problems.append('noise-placement = "secagg" needs threat-model = "known-sketch": the secret-sketch bound '
+                            "is derived for noise on every client's message, not on their sum.")
+        if algorithm.family is LoRAMode.FLEX:
+            problems.append('noise-placement = "secagg" supports the FFA strategies so far: FlexLoRA would sum each '
+                            "client's product B A, not its factors (not built yet).")
+        if self.sampling != "fixed":
+            problems.append('noise-placement = "secagg" needs sampling = "fixed": with Poisson sampling the number '
+                            "of noise shares in the sum changes with who takes part, which the accountant does not "
+                            "cover.")
+        if self.required_replies() < 2:
+            problems.append(f"noise-placement = \"secagg\" needs min-replies >= 2 (it is {self.required_replies()}): "
+                            "SecAgg+ cannot hide one reply in a sum of one, and each reply's noise share is 1 / "
+                            "min-replies of the sum's.")
+        if self.clip_quantile:
+            problems.append('noise-placement = "secagg" does not support adaptive clipping (clip-quantile) yet: the '
+                            "clip count would need its own secure sum.")
+        if self.simulation_nodes:
+            problems.append('noise-placement = "secagg" needs one Flower node per client (simulation-nodes = 0): '
+                            "every client is its own party in SecAgg+.")
+        return problems
+
     def count_stddev(self) -> float:
         """Adaptive clipping: the standard deviation of the noise on the count of clients under the clip norm."""
         return self.clip_count_stddev or self.clients_per_round / 20
@@ -271,8 +305,12 @@ class RunConfig:
         return self.simulation_nodes or self.num_clients
 
     def required_replies(self) -> int:
-        """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up)."""
-        return self.min_replies or -(-self.clients_per_round // 2)
+        """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up; under secure
+        aggregation at least 2, N_min: a sum of one reply would be that reply)."""
+        if self.min_replies:
+            return self.min_replies
+        half = -(-self.clients_per_round // 2)
+        return min(max(half, 2), self.clients_per_round) if self.noise_placement == "secagg" else half
 
     def budget(self) -> float | None:
         """The epsilon the run must not pass (None: no budget)."""

@@ -8,7 +8,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
@@ -19,7 +19,7 @@ from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
-from fedlora.privacy.events import Phase
+from fedlora.privacy.events import Phase, SkellamRelease
 from fedlora.training import evaluate, select_device
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -55,18 +55,20 @@ def noise_for(config: RunConfig) -> NoisePlan:
     if not protocol.algorithm.private:
         return NoisePlan(0.0, 0.0, {}, None)
     model = protocol.build_model()
-    sampling, n = sampling_of(config), config.clients_per_round
+    sampling = sampling_of(config)
     probe_rounds = config.linear_probe_rounds()
     head = protocol.client_message(model, PROBE)
 
     def probe_release(z: float):
-        return gaussian_mechanism(clip_norm=config.clip_norm, noise_multiplier=z).release_of(head, clients_per_round=n)
+        return protocol.release_of(head, gaussian_mechanism(clip_norm=config.clip_norm, noise_multiplier=z,
+                                                            placement=protocol.placement))
 
     count = (protocol.clipping.release(),) if protocol.clipping is not None else ()
 
     def lora_release(z: float):
         message = protocol.client_message(model, LORA)
-        return Protocol(config, z).mechanism.release_of(message, clients_per_round=n) + count
+        at_z = Protocol(config, z)
+        return at_z.release_of(message, at_z.mechanism) + count
 
     def phases(z_probe: float, z_lora: float) -> list[Phase]:
         probe = [Phase(PROBE, probe_release(z_probe), sampling, probe_rounds)] if probe_rounds else []
@@ -89,6 +91,24 @@ def noise_for(config: RunConfig) -> NoisePlan:
         z_probe = z_lora = config.noise_multiplier
     planned = epsilon(phases(z_probe, z_lora), delta=config.delta, threat_model=threat, placement=placement)
     return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, planned)
+
+
+def one_reply_report(config: RunConfig, plan: NoisePlan) -> PrivacyReport | None:
+    """Under secure aggregation: the epsilon of one client's reply seen alone (its noise share is z / sqrt(N_min)),
+    what a server that breaks SecAgg+, or sums fewer than N_min replies, could learn. None for other placements."""
+    if config.noise_placement != "secagg" or plan.planned is None:
+        return None
+    n_min = config.required_replies()
+
+    def alone(release):
+        return tuple(replace(part, noise_multiplier=part.noise_multiplier / math.sqrt(n_min),
+                             variance=part.variance / n_min) if isinstance(part, SkellamRelease) else part
+                     for part in release)
+
+    phases = [Phase(name, alone(plan.releases[name]), sampling_of(config), rounds)
+              for name, rounds in ((PROBE, config.linear_probe_rounds()),
+                                   (LORA, config.num_rounds - config.linear_probe_rounds())) if rounds]
+    return epsilon(phases, delta=config.delta, threat_model=config.threat_model, placement="secagg")
 
 
 class RunRecorder:

@@ -18,10 +18,12 @@ never reuses a sketch or noise.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -32,6 +34,8 @@ from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapt
                           to_message)
 from fedlora.clipping import QuantileClipping
 from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mechanism, message_norm
+from fedlora.privacy.events import Release
+from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import NoSketch, SketchKey, Side, side_of
 from fedlora.training import local_sgd
@@ -254,6 +258,26 @@ class Protocol:
             return out, None
         return out, self.clipping.client_bit(message_norm(message), mechanism.clip_norm, noise)
 
+    # -- secure aggregation (noise-placement = "secagg") ------------------------------------------------
+    def secure_sum(self, mechanism: Mechanism, dim: int) -> SkellamSecureSum:
+        """The integer encoding and noise shares of a ``dim``-entry release of ``mechanism`` under SecAgg+."""
+        return SkellamSecureSum(mechanism.noise_multiplier, mechanism.clip_norm, self.config.clients_per_round,
+                                self.config.required_replies(), dim)
+
+    def release_of(self, message: Message, mechanism: Mechanism) -> tuple[Release, ...]:
+        """What one round of ``mechanism`` on ``message`` releases, for the accountant."""
+        if self.placement is NoisePlacement.SECAGG and mechanism.private:
+            shapes = mechanism.released_shapes({n: tuple(t.shape) for n, t in message.items()})
+            return (self.secure_sum(mechanism, sum(math.prod(s) for s in shapes.values())).release(),)
+        return mechanism.release_of(message, clients_per_round=self.config.clients_per_round)
+
+    def secure_noise(self, release: int, partition_id: int):
+        """The generator of a client's integer noise share and rounding: seeded in simulations that ask for it,
+        else seeded from the OS's secure randomness."""
+        if self.config.noise_source != "seeded":
+            return os_generator()
+        return np.random.default_rng(derive_seed(self.config.seed, "secure-noise", release, partition_id))
+
     def simulation_noise(self, release: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
         return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", release, partition_id))
@@ -275,13 +299,14 @@ class Protocol:
 
     def aggregate(self, releases: Sequence[Message], round_: int, previous: GlobalState,
                   release: int | None = None, *, clip_norm: float | None = None, noise: torch.Generator | None = None,
-                  optimizer: ServerOptimizer | None = None) -> GlobalState:
+                  optimizer: ServerOptimizer | None = None, summed: int = 0) -> GlobalState:
         """FFA: the mean of the releases. Flex: the top-r SVD of the mean B A product, per layer, in the
         releases' space; dense entries (the head) are averaged. With noise at the server, the sum gets the
         noise (``noise``, for the round's ``clip_norm``) before it is divided. With updates, the mean update is
         de-sketched and applied by ``optimizer``. Entries no client sent (the adapters during a linear probe,
         the frozen head after it) stay as they were. ``release`` (default: the round) names the sketches the
-        releases were made with."""
+        releases were made with. ``summed`` > 0: ``releases`` is one sum of that many releases, its noise in it
+        (secure aggregation)."""
         release = round_ if release is None else release
         mechanism = self.mechanism_for(round_, clip_norm)
         phase = self.phase(round_)
@@ -291,9 +316,10 @@ class Protocol:
                                release if sketched else DENSE)
         if mechanism.placement is NoisePlacement.CLIENT:
             mean = mean_message(releases)
-        else:
-            denominator = self.denominator(len(releases))
-            mean = {n: t / denominator for n, t in mechanism.noise_sum(sum_message(releases), noise).items()}
+        else:  # noise at the server: added to the sum here; under secure aggregation: already in it
+            total, count = (releases[0], summed) if summed else (sum_message(releases), len(releases))
+            denominator = self.denominator(count)
+            mean = {n: t / denominator for n, t in mechanism.noise_sum(total, noise).items()}
         if not self.sends_updates:
             produced_by = previous.produced_by if phase == PROBE else release if sketched else DENSE
             return GlobalState({**previous.message, **mean}, produced_by)

@@ -44,6 +44,7 @@ class NoisePlacement(str, Enum):
 
     CLIENT = "client"  # the paper: every client noises its own message; the guarantee holds against the server
     SERVER = "server"  # central DP: the server noises the sum; it holds against all who see the model, not the server
+    SECAGG = "secagg"  # each client adds a share of the noise to integers the server only sees summed (SecAgg+)
 
 
 def message_norm(message: Mapping[str, Tensor]) -> float:
@@ -116,10 +117,10 @@ class Mechanism:
             raise ValueError("Noise without a clip norm bounds nothing: set clip_norm for a noisy mechanism.")
         object.__setattr__(self, "threat_model", ThreatModel(self.threat_model))
         object.__setattr__(self, "placement", NoisePlacement(self.placement))
-        if self.placement is NoisePlacement.SERVER and not isinstance(self.sketch, NoSketch) \
+        if self.placement is not NoisePlacement.CLIENT and not isinstance(self.sketch, NoSketch) \
                 and self.threat_model is ThreatModel.SECRET_SKETCH:
-            raise ValueError("Noise at the server needs the known-sketch threat model: the secret-sketch bound is "
-                             "derived for noise on every client's message.")
+            raise ValueError(f"Noise placement '{self.placement.value}' needs the known-sketch threat model: the "
+                             "secret-sketch bound is derived for noise on every client's message.")
 
     def with_clip_norm(self, clip_norm: float) -> Mechanism:
         """The same mechanism at another clip norm (adaptive clipping); the noise multiplier stays."""
@@ -161,8 +162,9 @@ class Mechanism:
 
     def privatize(self, message: Mapping[str, Tensor], *, key: SketchKey,
                   noise: torch.Generator | None = None) -> Message:
-        """The client's release: constrained, and noised when the noise is added at the client. ``noise``
-        defaults to the OS's secure randomness; seed it only in simulation."""
+        """The client's release: constrained, and noised when the noise is added at the client (under secure
+        aggregation the noise comes with the integer encoding, ``fedlora.secure_sum``). ``noise`` defaults to the
+        OS's secure randomness; seed it only in simulation."""
         out = self.constrain(message, key=key)
         return self.add_noise(out, noise) if self.placement is NoisePlacement.CLIENT else out
 
@@ -182,7 +184,7 @@ class Mechanism:
             return math.inf
         x = math.log(4 / failure_probability)  # the sketch may fail with p / 2, the noise with p / 4
         gain = 1.0 if self.clips_after_sketch else self.sketch.gain_bound(shapes, x)
-        if self.placement is NoisePlacement.SERVER:  # the client's release carries no noise
+        if self.placement is not NoisePlacement.CLIENT:  # the client's release carries no noise
             return self.clip_norm * gain
         d = sum(math.prod(shape) for shape in self.released_shapes(shapes).values())
         return self.clip_norm * gain + self.noise_std * math.sqrt(d + 2 * math.sqrt(d * x) + 2 * x)

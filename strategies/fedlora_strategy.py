@@ -5,6 +5,7 @@ replies, retries short rounds, accounts, and stops before the privacy budget wou
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -21,6 +22,7 @@ from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED
 from fedlora.mechanisms import NoisePlacement
 from fedlora.federation import LORA, PACKED, GlobalState, Protocol, derive_seed, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
+from strategies.secure_aggregation import secure_sum
 
 
 def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
@@ -144,7 +146,10 @@ class FedLoRAStrategy(Strategy):
                                          f"({self.ledger.trust_model}), past the budget {self.ledger.target_epsilon:g}")
                 return None
             messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
-            arrays, _ = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
+            if self.protocol.placement is NoisePlacement.SECAGG:
+                arrays = self._secure_round(grid, server_round, messages, timeout)
+            else:
+                arrays, _ = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
             if arrays is not None:
                 return arrays
             if self.status == RESTART:
@@ -351,6 +356,44 @@ class FedLoRAStrategy(Strategy):
                        for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
         del releases, valid, clients  # with noise at the server, no single message outlives the aggregation
         return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
+
+    def _secure_round(self, grid: Grid, server_round: int, messages: list[Message],
+                      timeout: float) -> ArrayRecord | None:
+        """The round through SecAgg+: the decoded noisy sum of the clients' integer releases, aggregated like noise
+        at the server's; None if too few vectors were summed (the release stays counted, the round is retried)."""
+        info, protocol = self.rounds[server_round], self.protocol
+        partition_of = {node: clients[0] for node, clients in info["assigned"].items()}
+        mechanism = protocol.mechanism_for(server_round, self.clip_norm)
+        shapes = mechanism.released_shapes(protocol.expected_message(self.template, server_round, self.config.rank))
+        codec = protocol.secure_sum(mechanism, sum(math.prod(shape) for shape in shapes.values()))
+        result = secure_sum(grid, {m.metadata.dst_node_id: m.content for m in messages},
+                            shapes={name: shapes[name] for name in sorted(shapes)}, threshold=info["needed"],
+                            half_range=codec.half_range, timeout=timeout, group_id=str(info["release"]))
+        for node, why in result.failed.items():
+            if isinstance(why, Error):
+                if self.simulated and why.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
+                    self.status, self.reason = RESTART, "a simulation worker died"
+                why = why.reason.splitlines()[0][:300] if why.reason else why.code
+            log(WARNING, "Round %s: the client of partition %s left SecAgg+: %s", server_round,
+                partition_of.get(node), why)
+        info.update(replies=len(result.summed), failed=len(result.failed), rejected=0, train_loss=float("nan"),
+                    bytes_up=float(np.mean(list(result.bytes_up.values()))) if result.bytes_up else 0.0,
+                    bytes_down=info["bytes_down"] + float(np.mean(list(result.bytes_down.values()))))
+        if result.total is None:
+            log(WARNING, "Round %s: SecAgg+ released nothing: %s", server_round, result.reason)
+            self.save()  # the release stays counted
+            return None
+        self.in_flight = False
+        started = time.time()
+        dtype = next(iter(self.template.values())).dtype
+        self.state = protocol.aggregate([codec.decode(result.total, dtype)], server_round, self.state,
+                                        release=info["release"], clip_norm=self.clip_norm, optimizer=self.optimizer,
+                                        summed=len(result.summed))
+        metrics = list(result.metrics.values())
+        info.update(clip_norm=self.clip_norm, aggregation_seconds=time.time() - started,
+                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]))
+                       if metrics else np.nan for key in ("train-seconds", "privatize-seconds", "startup-seconds")})
+        return to_arrays(self.state.message)
 
     def _zero_release(self, server_round: int) -> dict[str, torch.Tensor]:
         """The release of a round without clients: zeros in the released shapes."""

@@ -257,6 +257,7 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
     (["--set", "strategy=nope"], "strategy must be one of"),
     (["--set", "target-epsilon=0.001"], "unreachable"),
     (["--canaries", "100", "--set", "simulation-nodes=4"], "leave simulation-nodes at 0"),
+    (["--set", "noise-placement=secagg"], "does not audit secure aggregation yet"),
 ])
 def test_fedlora_audit_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["audit", "--trials", "200", "--out", str(tmp_path / "a"), *argv]) == 2

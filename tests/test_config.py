@@ -157,7 +157,7 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
 
 
 @pytest.mark.parametrize("values, message", [
-    ({"noise-placement": "central"}, "noise-placement must be one of client, server, got 'central'"),
+    ({"noise-placement": "central"}, "noise-placement must be one of client, server, secagg, got 'central'"),
     ({"message": "delta"}, "message must be one of adapter, update"),
     ({"server-optimizer": "lamb", "message": "update"}, "server-optimizer must be one of sgd, momentum, adam"),
     ({"clip-quantile": 1.0}, "clip-quantile must be < 1, got 1.0"),
@@ -169,6 +169,14 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
     ({"clip-quantile": 0.5, "strategy": "flexlora", "message": "adapter"}, "flexlora clips nothing"),
     ({"clip-quantile": 0.5, "head": "probe"}, 'not supported with head = "probe"'),
     ({"clip-lr": 0.5}, "clip-lr and clip-count-stddev apply to adaptive clipping"),
+    ({"noise-placement": "secagg", "strategy": "ffa-lora"}, 'noise-placement = "secagg" adds the noise in shares'),
+    ({"noise-placement": "secagg", "sampling": "poisson"}, 'noise-placement = "secagg" needs sampling = "fixed"'),
+    ({"noise-placement": "secagg", "min-replies": 1}, 'noise-placement = "secagg" needs min-replies >= 2'),
+    ({"noise-placement": "secagg", "clients-per-round": 1}, 'noise-placement = "secagg" needs min-replies >= 2'),
+    ({"noise-placement": "secagg", "clip-quantile": 0.5}, "does not support adaptive clipping"),
+    ({"noise-placement": "secagg", "simulation-nodes": 10}, "needs one Flower node per client"),
+    ({"noise-placement": "secagg", "strategy": "gm-flexlora", "message": "adapter"}, "supports the FFA strategies"),
+    ({"noise-placement": "secagg", "threat-model": "secret-sketch"}, 'noise-placement = "secagg" needs threat-model'),
 ])
 def test_unsupported_levers_are_one_line_each(values, message):
     with pytest.raises(ConfigError) as error:

@@ -77,6 +77,18 @@ def test_a_tls_deployment_with_node_auth_keeps_the_sketch_secret_on_the_nodes(tm
     assert not leftover_flower_processes()
 
 
+def test_a_tls_deployment_under_secure_aggregation(tmp_path):
+    """SecAgg+ between real SuperNodes (each stage a message, Flower's mod in each ClientApp process): the round's
+    sum is released, and no file on the server side holds a reply."""
+    config = RunConfig.from_mapping({**FAST, "noise-placement": "secagg", "num-rounds": 1})  # min-replies: 2
+    credentials = make_credentials(tmp_path / "credentials", nodes=2)
+    rows = deploy_locally(config, tmp_path / "run", credentials=credentials, echo=lambda line: None)
+    assert [r["replies"] for r in rows] == [2] and rows[0]["accuracy"] is not None
+    assert rows[0]["threat_model"] == "known-sketch, noise in client shares under secure aggregation"
+    assert rows[0]["epsilon"] <= config.target_epsilon and rows[0]["bytes_up"] > 0
+    assert not leftover_flower_processes()
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--set", "noise-source=seeded"], "noise from the OS"),
     (["--set", "threat-model=secret-sketch", "--set", "sketch-secret=run-seed"], "would give the server"),

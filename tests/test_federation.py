@@ -264,3 +264,30 @@ def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
     rows = [[{k: r[k] for k in keep} for r in map(json.loads, (tmp_path / d / "metrics.jsonl").read_text().splitlines())]
             for d in ("one", "packed")]
     assert rows[0] == rows[1] and all(r["replies"] == 5 for r in rows[1])
+
+
+def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path):
+    """Near-zero noise: the global state through SecAgg+ (integers, masks, Flower's mod) is the server placement's
+    to within the quantization and the noise; no training reply the server receives carries arrays."""
+    common = {"noise_multiplier": 1e-4, "target_epsilon": 0.0, "min_replies": 2, "noise_source": "seeded"}
+    server, _, _ = _run(tmp_path / "server", noise_placement="server", **common)
+    received = []
+
+    class Recording(InProcessGrid):
+        def send_and_receive(self, messages, *, timeout=None):
+            replies = super().send_and_receive(messages, timeout=timeout)
+            received.extend(r for r in replies if r.has_content())
+            return replies
+
+    config = {**SMALL, "noise-placement": "secagg", "noise-multiplier": 1e-4, "target-epsilon": 0.0, "min-replies": 2,
+              "out-dir": str(tmp_path / "secagg")}
+    secure = run_federation(Recording(client_app, 5, config), Context(run_id=1, node_id=0, node_config={},
+                                                                      state=RecordDict(), run_config=config),
+                            echo=lambda line: None)
+    for name, t in server.state.message.items():
+        assert torch.allclose(secure.state.message[name], t, atol=2e-3), name
+    rows = [json.loads(line) for line in (tmp_path / "secagg" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["replies"] == 3 and r["threat_model"] == "known-sketch, noise in client shares under secure "
+                                                          "aggregation" for r in rows)
+    assert all(not any(len(a) for a in r.content.array_records.values()) for r in received if
+               r.metadata.message_type == "train")

@@ -10,6 +10,7 @@ from fedlora.algorithms import ALGORITHMS, get_algorithm, make_mechanism
 from fedlora.privacy import (GaussianRelease, NonPrivateRelease, Phase, PrivacyLedger, SamplingScheme,
                              SketchedRelease, calibrate, epsilon)
 from fedlora.privacy.accounting import ORDERS, gaussian_event
+from fedlora.secure_sum import SkellamSecureSum
 
 FIXED = SamplingScheme("fixed", 625, clients_per_round=4)
 POISSON = SamplingScheme("poisson", 625, rate=4 / 625)
@@ -232,7 +233,7 @@ def test_noise_at_the_server_has_the_client_epsilon_and_matches_dp_accounting(z)
     acc = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.REPLACE_ONE)
     acc.compose(dp_event.SampledWithoutReplacementDpEvent(200, 20, dp_event.GaussianDpEvent(z / 2)), 30)
     assert server.epsilon == pytest.approx(acc.get_epsilon(1e-5), rel=1e-6)
-    with pytest.raises(ValueError, match="noise at the server"):
+    with pytest.raises(ValueError, match="not for noise on their sum"):
         epsilon(_sgmm(z, 10), delta=1e-5, threat_model="secret-sketch", placement="server")
     with pytest.raises(ValueError, match="Unknown noise placement"):
         epsilon(_gm(z, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="nowhere")
@@ -251,3 +252,32 @@ def test_the_clip_count_raises_the_update_noise_as_andrew_et_al():
     assert plan.planned.epsilon <= 8.0 and plan.releases["lora"][-1] == GaussianRelease(4.0)
     with pytest.raises(ValueError, match="clip count's noise alone"):
         noise_for(RunConfig.from_mapping({**base, "clip-quantile": 0.5, "clip-count-stddev": 0.3}))
+
+
+@pytest.mark.parametrize("z", [1.0, 1.5])
+def test_secure_aggregation_has_the_server_placements_epsilon_when_n_min_replies_arrive(z):
+    """Fine quantization (the default modulus): the distributed Skellam sum of N_min shares is accounted within a
+    millionth of the Gaussian at the same z (the quickstart's C, N, T); one reply alone has noise z / sqrt(N_min)."""
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    codec = SkellamSecureSum(z, 1.0, clients=50, min_replies=25, dim=5002)
+    secure = epsilon([Phase("lora", (codec.release(),), sampling, 10)], delta=1e-5, threat_model="known-sketch",
+                     placement="secagg")
+    server = epsilon(_gm(z, sampling, 10), delta=1e-5, threat_model="known-sketch", placement="server")
+    assert secure.epsilon >= server.epsilon and secure.epsilon == pytest.approx(server.epsilon, rel=1e-5)
+    assert secure.threat_model == "known-sketch, noise in client shares under secure aggregation"
+    alone = epsilon([Phase("lora", (codec.message_release(),), sampling, 10)], delta=1e-5,
+                    threat_model="known-sketch", placement="secagg")
+    gaussian_alone = epsilon(_gm(z / 5, sampling, 10), delta=1e-5, threat_model="known-sketch", placement="server")
+    assert alone.epsilon == pytest.approx(gaussian_alone.epsilon, rel=1e-3) and alone.epsilon > 10 * secure.epsilon
+
+
+def test_coarse_quantization_costs_privacy_and_poisson_is_refused():
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    fine = SkellamSecureSum(1.5, 1.0, clients=50, min_replies=25, dim=5002)
+    coarse = SkellamSecureSum(1.5, 1.0, clients=50, min_replies=25, dim=5002, bits=12)
+    fine_eps, coarse_eps = (epsilon([Phase("lora", (c.release(),), sampling, 10)], delta=1e-5,
+                                    threat_model="known-sketch", placement="secagg").epsilon for c in (fine, coarse))
+    assert coarse_eps > 1.05 * fine_eps  # rounding grows one client's norm bound by about sqrt(d) / 2
+    with pytest.raises(ValueError, match="fixed-size sampling only"):
+        epsilon([Phase("lora", (fine.release(),), POISSON, 10)], delta=1e-5, threat_model="known-sketch",
+                placement="secagg")

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from fedlora.privacy.curves import gaussian_renyi_divergence, shared_sketch_divergence, sketched_rdp
+from fedlora.privacy.curves import gaussian_renyi_divergence, shared_sketch_divergence, sketched_rdp, skellam_rdp
 
 ALPHAS = [1.5, 2.0, 3.0, 4.0, 8.0]
 
@@ -103,3 +103,21 @@ def test_bad_curve_arguments(kwargs, match):
         sketched_rdp([2.0], **kwargs)
     with pytest.raises(ValueError, match="greater than 1"):
         sketched_rdp([1.0], sketch_dim=4, rank=1, noise_multiplier=1.0)
+
+
+@pytest.mark.parametrize("variance, shift", [(8.0, 1), (50.0, 3), (400.0, 10)])
+def test_the_skellam_curve_bounds_the_exact_divergence_of_a_shifted_skellam(variance, shift):
+    """D_alpha(Sk + shift || Sk) summed over the pmf (one entry: D1 = D2 = shift), at integer and fractional orders;
+    its Gaussian term alpha shift^2 / (2 V) is the leading one."""
+    from scipy.stats import skellam
+
+    k = np.arange(-int(60 * np.sqrt(variance)) - shift, int(60 * np.sqrt(variance)) + shift + 1)
+    log_p, log_q = skellam.logpmf(k - shift, variance / 2, variance / 2), skellam.logpmf(k, variance / 2, variance / 2)
+    kept = np.isfinite(log_p) & np.isfinite(log_q)  # the far tails underflow; their terms are negligible
+    log_p, log_q = log_p[kept], log_q[kept]
+    for alpha in ALPHAS + [2.5, 16.0]:
+        exact = np.logaddexp.reduce(alpha * log_p + (1 - alpha) * log_q) / (alpha - 1)
+        bound = skellam_rdp([alpha], l2_sensitivity=shift, variance=variance, dim=1)[0]
+        assert exact <= bound + 1e-12
+        assert bound >= alpha * shift ** 2 / (2 * variance)
+    assert skellam_rdp([2.0], l2_sensitivity=1.0, variance=0.0, dim=1)[0] == np.inf

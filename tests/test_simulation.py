@@ -15,6 +15,7 @@ from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import run_simulation
+from fedlora.privacy.events import trust_label
 from tests.helpers import PAPER_FORM, leftover_flower_processes
 
 TINY = ["noise-placement=client", "message=adapter", "num-clients=3", "clients-per-round=2", "local-steps=2",
@@ -26,7 +27,11 @@ LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": 
           "clip-count-stddev": 5.0, "simulation-nodes": 1}
 
 
-@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS], ids=["paper", "server-update-adaptive-one-node"])
+SECAGG = {"noise-placement": "secagg", "message": "update", "min-replies": 2}
+
+
+@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS, SECAGG],
+                         ids=["paper", "server-update-adaptive-one-node", "secagg"])
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch, levers):
     monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
@@ -36,7 +41,7 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     rows = run_simulation(config, Path("run"), echo=lines.append)
     tmp_path = tmp_path / "run"
     assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
-    assert lines[0].startswith("round   1/2  accuracy") and f"(known-sketch, noise at the {config.noise_placement})" \
+    assert lines[0].startswith("round   1/2  accuracy") and f"({trust_label('known-sketch', config.noise_placement)})" \
         in lines[0]
     assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == ("clip-quantile" not in levers)  # adaptive clip moves
     assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == 2

@@ -13,7 +13,7 @@ _HOMES = {
     "THREAT_MODELS": "accounting", "Calibration": "accounting", "PrivacyReport": "accounting",
     "calibrate": "accounting", "epsilon": "accounting",
     "GaussianRelease": "events", "NonPrivateRelease": "events", "Phase": "events", "Sampling": "events",
-    "SamplingScheme": "events", "SketchedRelease": "events",
+    "SamplingScheme": "events", "SkellamRelease": "events", "SketchedRelease": "events",
     "PrivacyLedger": "ledger",
 }
 __all__ = sorted(_HOMES)

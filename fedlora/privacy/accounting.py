@@ -29,16 +29,16 @@ from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
 
-from fedlora.privacy.curves import sketched_rdp
+from fedlora.privacy.curves import sketched_rdp, skellam_rdp
 from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, Sampling, SamplingScheme,
-                                    SketchedRelease, trust_label)
+                                    SkellamRelease, SketchedRelease, trust_label)
 
 # Renyi orders: dense where small epsilons are optimal, sparse in the tail.
 ORDERS = np.array([1 + x / 20 for x in range(1, 60)] + [4 + x / 4 for x in range(28)]
                   + list(range(11, 64)) + [64, 80, 96, 128, 192, 256], dtype=float)
 
 THREAT_MODELS = ("known-sketch", "secret-sketch")
-PLACEMENTS = ("client", "server")
+PLACEMENTS = ("client", "server", "secagg")
 
 
 @dataclass(frozen=True)
@@ -98,6 +98,9 @@ def _round_curve(release: Sequence[Release], sampling: SamplingScheme) -> Callab
                 total += float(sketched_rdp([alpha], sketch_dim=part.sketch_dim, rank=part.rank,
                                             noise_multiplier=part.noise_multiplier,
                                             clients_per_round=part.clients_per_round)[0])
+            elif isinstance(part, SkellamRelease):
+                total += float(skellam_rdp([alpha], l2_sensitivity=s * part.norm_bound, variance=part.variance,
+                                           dim=part.dim)[0])
             else:
                 total += alpha * s * s / (2 * part.noise_multiplier ** 2)
         return total
@@ -106,7 +109,8 @@ def _round_curve(release: Sequence[Release], sampling: SamplingScheme) -> Callab
 
 
 def _amplified_rdp(release: Sequence[Release], sampling: SamplingScheme, orders: np.ndarray) -> np.ndarray:
-    """Per-round RDP of a non-Gaussian release after sampling without replacement (WBK19 Thm 9, autodp)."""
+    """Per-round RDP of a non-Gaussian release (secret sketch, Skellam) after sampling without replacement (WBK19
+    Thm 9, autodp)."""
     from autodp.autodp_core import Mechanism as AutodpMechanism
     from autodp.transformer_zoo import AmplificationBySampling
 
@@ -137,6 +141,9 @@ def _round_rdp(release: tuple[Release, ...], sampling: SamplingScheme, orders: t
         accountant.compose(gaussian_event(release, sampling), 1)
         return np.asarray(accountant._rdp, dtype=float)  # dp-accounting keeps the composed RDP here
     if sampling.kind is Sampling.POISSON:
+        if any(isinstance(part, SkellamRelease) for part in release):
+            raise ValueError("Secure aggregation's accounting supports fixed-size sampling only: with Poisson "
+                             "sampling the number of noise shares in the sum changes with the participants.")
         raise ValueError("Secret-sketch accounting supports fixed-size sampling only: the shared-sketch bound "
                          "needs the number of clients per round, which Poisson sampling does not fix.")
     return _amplified_rdp(release, sampling, orders)
@@ -167,9 +174,9 @@ def _check_threat_model(phases: Sequence[Phase], threat_model: str) -> None:
 def _check_placement(phases: Sequence[Phase], placement: str) -> None:
     if placement not in PLACEMENTS:
         raise ValueError(f"Unknown noise placement '{placement}'; choose one of {', '.join(PLACEMENTS)}.")
-    if placement == "server" and any(isinstance(p, SketchedRelease) for ph in phases for p in ph.release):
-        raise ValueError("The secret-sketch bound holds for noise on every client's message, not for noise at the "
-                         "server.")
+    if placement != "client" and any(isinstance(p, SketchedRelease) for ph in phases for p in ph.release):
+        raise ValueError("The secret-sketch bound holds for noise on every client's message, not for noise on "
+                         "their sum.")
 
 
 def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> None:

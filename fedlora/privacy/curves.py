@@ -1,5 +1,6 @@
-"""RDP curves of the sketched Gaussian mechanisms under the secret-sketch threat model, and the
-closed-form Renyi divergences between Gaussians that test them. Pure NumPy; no accountant here.
+"""RDP curves of the sketched Gaussian mechanisms under the secret-sketch threat model and of secure
+aggregation's distributed Skellam mechanism, and the closed-form Renyi divergences between Gaussians that test
+them. Pure NumPy; no accountant here.
 
 Notation (../shared/design/PRIVACY.md): the release of one matrix X (m x r, ||X||_F <= tau) is b
 i.i.d. rows y_i ~ N(0, X^T X / b + sigma^2 I_r) when R is secret. z = sigma / tau.
@@ -63,6 +64,32 @@ def sketched_rdp(orders, *, sketch_dim: int, rank: int, noise_multiplier: float,
     k = rank if n == 1 else 2 * rank
     finite = np.where(np.isinf(alpha), 2.0, alpha)
     return _finite_orders_only(sketch_dim * k / (2.0 * (finite - 1.0)) * _g(u, finite), alpha)
+
+
+def skellam_rdp(orders, *, l2_sensitivity: float, variance: float, dim: int) -> np.ndarray:
+    """RDP of adding Skellam noise of variance ``variance`` per entry to an integer vector of d = ``dim`` entries
+    whose neighbours differ by at most ``l2_sensitivity`` in norm (Agarwal, Kairouz and Liu 2021, Cor. 3.6),
+    at integer orders:
+        eps(alpha) = alpha D2^2 / (2 V) + min(((2 alpha - 1) D2^2 + 6 D1) / (4 V^2), 3 D1 / (2 V)),
+    with D1 = min(D2^2, sqrt(d) D2) the L1 sensitivity of integer vectors. The first term is the Gaussian
+    mechanism's of the same variance. Between integers the cumulant (alpha - 1) eps(alpha), convex in alpha, is
+    bounded by its chord (as dp-accounting does for sampled Gaussians, WBK19 Cor. 10)."""
+    alpha = _orders(orders)
+    if not variance > 0:
+        return np.full_like(alpha, np.inf)
+    d2 = float(l2_sensitivity)
+    d1 = min(d2 * d2, np.sqrt(dim) * d2)
+
+    def cumulant(a: np.ndarray) -> np.ndarray:  # (a - 1) eps(a) at integers a >= 1 (0 at a = 1)
+        eps = a * d2 ** 2 / (2 * variance) + np.minimum(((2 * a - 1) * d2 ** 2 + 6 * d1) / (4 * variance ** 2),
+                                                        3 * d1 / (2 * variance))
+        return (a - 1) * eps
+
+    finite = np.where(np.isinf(alpha), 2.0, alpha)
+    low, high = np.floor(finite), np.ceil(finite)
+    t = finite - low
+    curve = ((1 - t) * cumulant(low) + t * cumulant(high)) / (finite - 1)
+    return _finite_orders_only(curve, alpha)
 
 
 def gaussian_renyi_divergence(cov_p: np.ndarray, cov_q: np.ndarray, alpha: float) -> float:

@@ -17,6 +17,8 @@ class Sampling(str, Enum):
 
 def trust_label(threat_model: str, placement: str) -> str:
     """How every epsilon is labelled: who may know the sketch, and where the noise is added."""
+    if placement == "secagg":
+        return f"{threat_model}, noise in client shares under secure aggregation"
     return f"{threat_model}, noise at the {placement}"
 
 
@@ -38,11 +40,23 @@ class SketchedRelease:
 
 
 @dataclass(frozen=True)
+class SkellamRelease:
+    """Secure aggregation's distributed Skellam mechanism (fedlora.secure_sum): one client adds integers of norm
+    <= ``norm_bound`` (d = ``dim`` entries) to a sum that carries Skellam noise of variance >= ``variance`` per
+    entry. ``noise_multiplier`` is the Gaussian z it stands in for (the same noise at the server)."""
+
+    noise_multiplier: float
+    norm_bound: float
+    variance: float
+    dim: int
+
+
+@dataclass(frozen=True)
 class NonPrivateRelease:
     """No noise: epsilon is infinite, whatever the sketch (../shared/papers/001, Prop. 2)."""
 
 
-Release = GaussianRelease | SketchedRelease | NonPrivateRelease
+Release = GaussianRelease | SketchedRelease | SkellamRelease | NonPrivateRelease
 
 
 @dataclass(frozen=True)
