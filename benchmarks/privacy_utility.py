@@ -12,7 +12,7 @@ continues where it stopped, and the tables are written from whatever is there.
 
 FFA strategies run the quickstart's form (clients send updates, applied by server SGD). FlexLoRA cannot send
 updates (an update of the factors is not an update of their product): its runs send adapters. Secure aggregation
-(noise in shares under SecAgg+) runs for the FFA strategies, at the default min-replies (N / 2).
+(noise in shares under SecAgg+) runs at the default min-replies (N / 2).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from fedlora.experiment import noise_for
 
 PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
-PLACEMENTS = ("client", "server", "secagg")  # secagg: FFA strategies (FlexLoRA under SecAgg+ is not built)
+PLACEMENTS = ("client", "server", "secagg")
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 COHORTS = (5, 10, 25, 50, 100)  # N at C = 500 (the quickstart's C)
 COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")
@@ -53,8 +53,7 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int]) -> list[dict
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
-            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS
-                      if not (placement == "secagg" and _family(strategy) == "flex")]
+            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS]
         cases += [("frontier", reference, "-", math.inf, None) for reference in REFERENCE.values()]
     if "cohort" in parts:
         for n in COHORTS:

@@ -147,8 +147,9 @@ def secure_train(msg: Message, context: Context) -> Message:
                                         startup_seconds)
     started = time.perf_counter()
     mechanism = protocol.mechanism_for(int(round_config["server-round"]), round_clip_norm(msg))
-    codec = protocol.secure_sum(mechanism, sum(t.numel() for t in release.values()))
-    encoded = codec.encode(release, protocol.secure_noise(int(round_config["release"]), node.partition_id))
+    codec = protocol.secure_sum(mechanism, {n: tuple(t.shape) for n, t in release.items()})
+    encoded = codec.encode(protocol.secure_message(release),
+                           protocol.secure_noise(int(round_config["release"]), node.partition_id))
     metrics["privatize-seconds"] += time.perf_counter() - started
     return secure_reply(msg, encoded, metrics)
 

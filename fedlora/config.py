@@ -277,9 +277,6 @@ class RunConfig:
         if algorithm.sketched and self.threat_model == "secret-sketch":
             problems.append('noise-placement = "secagg" needs threat-model = "known-sketch": the secret-sketch bound '
                             "is derived for noise on every client's message, not on their sum.")
-        if algorithm.family is LoRAMode.FLEX:
-            problems.append('noise-placement = "secagg" supports the FFA strategies so far: FlexLoRA would sum each '
-                            "client's product B A, not its factors (not built yet).")
         if self.sampling != "fixed":
             problems.append('noise-placement = "secagg" needs sampling = "fixed": with Poisson sampling the number '
                             "of noise shares in the sum changes with who takes part, which the accountant does not "

@@ -259,16 +259,40 @@ class Protocol:
         return out, self.clipping.client_bit(message_norm(message), mechanism.clip_norm, noise)
 
     # -- secure aggregation (noise-placement = "secagg") ------------------------------------------------
-    def secure_sum(self, mechanism: Mechanism, dim: int) -> SkellamSecureSum:
-        """The integer encoding and noise shares of a ``dim``-entry release of ``mechanism`` under SecAgg+."""
-        return SkellamSecureSum(mechanism.noise_multiplier, mechanism.clip_norm, self.config.clients_per_round,
-                                self.config.required_replies(), dim)
+    def secure_sum(self, mechanism: Mechanism, released: dict[str, tuple[int, ...]]) -> SkellamSecureSum:
+        """The integer encoding and noise shares, under SecAgg+, of a release with entry shapes ``released``: its
+        ``secure_message``, of norm <= tau (kappa for FlexLoRA's products)."""
+        tau = mechanism.clip_norm
+        flex = any(side_of(n) is Side.RIGHT for n in released)
+        norm = tau * flex_norm_scale(tau, any(side_of(n) is Side.DENSE for n in released)) if flex else tau
+        return SkellamSecureSum(mechanism.noise_multiplier, norm, self.config.clients_per_round,
+                                self.config.required_replies(),
+                                sum(math.prod(shape) for shape in self.secure_shapes(released).values()))
+
+    @staticmethod
+    def secure_message(release: Message) -> Message:
+        """What a client encodes under SecAgg+: its release, or for FlexLoRA's LoRA rounds what the server's SVD sums,
+        its products B A per layer (keyed by the layer) and its head."""
+        if not any(side_of(n) is Side.RIGHT for n in release):
+            return dict(release)
+        products = {layer: release[f"{layer}.lora_B"].double() @ release[f"{layer}.lora_A"].double()
+                    for layer in (n.rsplit(".", 1)[0] for n in release if side_of(n) is Side.LEFT)}
+        return {**products, **{n: t for n, t in release.items() if side_of(n) is Side.DENSE}}
+
+    @staticmethod
+    def secure_shapes(released: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The entry shapes of ``secure_message`` of a release with entry shapes ``released``."""
+        if not any(side_of(n) is Side.RIGHT for n in released):
+            return dict(released)
+        return {**{n.rsplit(".", 1)[0]: (shape[0], released[n.replace("lora_B", "lora_A")][1])
+                   for n, shape in released.items() if side_of(n) is Side.LEFT},
+                **{n: shape for n, shape in released.items() if side_of(n) is Side.DENSE}}
 
     def release_of(self, message: Message, mechanism: Mechanism) -> tuple[Release, ...]:
         """What one round of ``mechanism`` on ``message`` releases, for the accountant."""
         if self.placement is NoisePlacement.SECAGG and mechanism.private:
-            shapes = mechanism.released_shapes({n: tuple(t.shape) for n, t in message.items()})
-            return (self.secure_sum(mechanism, sum(math.prod(s) for s in shapes.values())).release(),)
+            return (self.secure_sum(mechanism, mechanism.released_shapes({n: tuple(t.shape)
+                                                                          for n, t in message.items()})).release(),)
         return mechanism.release_of(message, clients_per_round=self.config.clients_per_round)
 
     def secure_noise(self, release: int, partition_id: int):
@@ -312,12 +336,13 @@ class Protocol:
         phase = self.phase(round_)
         sketched = phase == LORA and not isinstance(self.mechanism.sketch, NoSketch)
         if self.mode is LoRAMode.FLEX and phase == LORA:
-            return GlobalState({**previous.message, **self._flex_mean(releases, mechanism, noise)},
+            return GlobalState({**previous.message, **self._flex_mean(releases, mechanism, noise, previous, summed)},
                                release if sketched else DENSE)
         if mechanism.placement is NoisePlacement.CLIENT:
             mean = mean_message(releases)
         else:  # noise at the server: added to the sum here; under secure aggregation: already in it
             total, count = (releases[0], summed) if summed else (sum_message(releases), len(releases))
+            total = {n: t.to(previous.message[n].dtype) for n, t in total.items()}  # a decoded sum is float64
             denominator = self.denominator(count)
             mean = {n: t / denominator for n, t in mechanism.noise_sum(total, noise).items()}
         if not self.sends_updates:
@@ -328,18 +353,20 @@ class Protocol:
                                       shapes={n: tuple(previous.message[n].shape) for n in mean})
         return GlobalState({**previous.message, **optimizer.step(previous.message, mean)}, DENSE)
 
-    def _flex_mean(self, releases: Sequence[Message], mechanism: Mechanism, noise) -> Message:
+    def _flex_mean(self, releases: Sequence[Message], mechanism: Mechanism, noise, previous: GlobalState,
+                   summed: int = 0) -> Message:
         """FlexLoRA's global factors: per layer the top-r SVD of the mean product B A, and the mean head.
 
         With noise at the server the noise goes on what the SVD sees, the sum of the products: a message of
         norm <= tau has ||B A||_F <= (||B||^2 + ||A||^2) / 2, so the products (and head) of one client have
         norm <= kappa = max(tau^2 / 2, tau) with a head, tau^2 / 2 without, and the sum gets N(0, (z kappa)^2):
-        the same Gaussian release, in units of kappa, as the client's own noise in units of tau."""
-        dense = [{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases]
-        layers = [name.rsplit(".", 1)[0] for name in releases[0] if side_of(name) is Side.LEFT]
-        dtype = next(t for n, t in releases[0].items() if side_of(n) is Side.LEFT).dtype
+        the same Gaussian release, in units of kappa, as the client's own noise in units of tau. Under secure
+        aggregation (``summed``) ``releases`` is that sum (``secure_message``), its noise in it."""
+        layers = [name.rsplit(".", 1)[0] for name in previous.message if side_of(name) is Side.LEFT]
+        dtype = next(t for n, t in previous.message.items() if side_of(n) is Side.LEFT).dtype
         out: Message = {}
         if mechanism.placement is NoisePlacement.CLIENT:
+            dense = [{n: t for n, t in r.items() if side_of(n) is Side.DENSE} for r in releases]
             factors = {}
             for layer in layers:
                 bs = [r[f"{layer}.lora_B"].double() for r in releases]
@@ -347,13 +374,11 @@ class Protocol:
                 factors[layer] = svd_of_mean_product(bs, as_)
             head = mean_message(dense) if dense[0] else {}
         else:
+            total, count = ((releases[0], summed) if summed
+                            else (sum_message([self.secure_message(r) for r in releases]), len(releases)))
             tau = mechanism.clip_norm
-            scale = max(tau / 2, 1.0) if dense[0] else tau / 2  # kappa / tau
-            total = {layer: sum(r[f"{layer}.lora_B"].double() @ r[f"{layer}.lora_A"].double() for r in releases)
-                     for layer in layers}
-            total.update(sum_message(dense) if dense[0] else {})
-            denominator = self.denominator(len(releases))
-            noisy = {n: t / denominator for n, t in mechanism.noise_sum(total, noise, scale=scale).items()}
+            scale = flex_norm_scale(tau, any(n not in layers for n in total))
+            noisy = {n: t / self.denominator(count) for n, t in mechanism.noise_sum(total, noise, scale=scale).items()}
             factors = {layer: torch.linalg.svd(noisy.pop(layer), full_matrices=False) for layer in layers}
             head = {n: t.to(dtype) for n, t in noisy.items()}
         for layer, (u, s, vt) in factors.items():
@@ -362,6 +387,12 @@ class Protocol:
             b, a = torch.nn.functional.pad(b, (0, pad)), torch.nn.functional.pad(a, (0, 0, 0, pad))
             out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(dtype), b.to(dtype)
         return {**out, **head}
+
+
+def flex_norm_scale(tau: float, head: bool) -> float:
+    """kappa / tau for FlexLoRA's products (and head) of one client's message of norm <= tau: ||B A||_F <=
+    (||B||^2 + ||A||^2) / 2 <= tau^2 / 2, and the head adds at most tau."""
+    return max(tau / 2, 1.0) if head else tau / 2
 
 
 PACKED = "partitions"  # round config of a simulation message that carries several clients: their partition ids

@@ -5,7 +5,6 @@ replies, retries short rounds, accounts, and stops before the privacy budget wou
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -364,8 +363,8 @@ class FedLoRAStrategy(Strategy):
         info, protocol = self.rounds[server_round], self.protocol
         partition_of = {node: clients[0] for node, clients in info["assigned"].items()}
         mechanism = protocol.mechanism_for(server_round, self.clip_norm)
-        shapes = mechanism.released_shapes(protocol.expected_message(self.template, server_round, self.config.rank))
-        codec = protocol.secure_sum(mechanism, sum(math.prod(shape) for shape in shapes.values()))
+        released = mechanism.released_shapes(protocol.expected_message(self.template, server_round, self.config.rank))
+        codec, shapes = protocol.secure_sum(mechanism, released), protocol.secure_shapes(released)
         result = secure_sum(grid, {m.metadata.dst_node_id: m.content for m in messages},
                             shapes={name: shapes[name] for name in sorted(shapes)}, threshold=info["needed"],
                             half_range=codec.half_range, timeout=timeout, group_id=str(info["release"]))
@@ -385,8 +384,7 @@ class FedLoRAStrategy(Strategy):
             return None
         self.in_flight = False
         started = time.time()
-        dtype = next(iter(self.template.values())).dtype
-        self.state = protocol.aggregate([codec.decode(result.total, dtype)], server_round, self.state,
+        self.state = protocol.aggregate([codec.decode(result.total, torch.float64)], server_round, self.state,
                                         release=info["release"], clip_norm=self.clip_norm, optimizer=self.optimizer,
                                         summed=len(result.summed))
         metrics = list(result.metrics.values())

@@ -175,7 +175,6 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
     ({"noise-placement": "secagg", "clients-per-round": 1}, 'noise-placement = "secagg" needs min-replies >= 2'),
     ({"noise-placement": "secagg", "clip-quantile": 0.5}, "does not support adaptive clipping"),
     ({"noise-placement": "secagg", "simulation-nodes": 10}, "needs one Flower node per client"),
-    ({"noise-placement": "secagg", "strategy": "gm-flexlora", "message": "adapter"}, "supports the FFA strategies"),
     ({"noise-placement": "secagg", "threat-model": "secret-sketch"}, 'noise-placement = "secagg" needs threat-model'),
 ])
 def test_unsupported_levers_are_one_line_each(values, message):
