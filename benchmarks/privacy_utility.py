@@ -12,7 +12,7 @@ continues where it stopped, and the tables are written from whatever is there.
 
 FFA strategies run the quickstart's form (clients send updates, applied by server SGD). FlexLoRA cannot send
 updates (an update of the factors is not an update of their product): its runs send adapters. Secure aggregation
-(noise in shares under SecAgg+) runs at the default min-replies (N / 2).
+(noise in shares under SecAgg+) runs at its default min-replies (N_min = 45 of N = 50).
 """
 
 from __future__ import annotations

@@ -124,8 +124,9 @@ class RunConfig:
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
-                                "clients-per-round, rounded up; at least 2 under secure aggregation, where it is "
-                                "N_min, the fewest replies a sum is released with)", low=0)
+                                "clients-per-round, rounded up; under secure aggregation, where it is N_min, the "
+                                "fewest replies a sum is released with: 90% of clients-per-round, at least 2)",
+                            low=0)
     round_retries: int = _opt(2, "retries of a round with too few valid replies before the run stops (every try is "
                                  "a release and counts in epsilon)", low=0)
     reply_timeout: float = _opt(600.0, "seconds a round waits for its clients' replies", low=0.0, low_open=True)
@@ -302,12 +303,13 @@ class RunConfig:
         return self.simulation_nodes or self.num_clients
 
     def required_replies(self) -> int:
-        """Valid replies a round needs to be aggregated (min-replies, or half of N rounded up; under secure
-        aggregation at least 2, N_min: a sum of one reply would be that reply)."""
+        """Valid replies a round needs to be aggregated: min-replies, or half of N rounded up; under secure
+        aggregation, where it is N_min, 90% of N rounded down and at least 2 (README, "Secure aggregation")."""
         if self.min_replies:
             return self.min_replies
-        half = -(-self.clients_per_round // 2)
-        return min(max(half, 2), self.clients_per_round) if self.noise_placement == "secagg" else half
+        if self.noise_placement == "secagg":  # each reply carries 1 / N_min of the noise: a full sum N / N_min of it
+            return min(max(int(0.9 * self.clients_per_round), 2), self.clients_per_round)
+        return -(-self.clients_per_round // 2)
 
     def budget(self) -> float | None:
         """The epsilon the run must not pass (None: no budget)."""
