@@ -219,6 +219,7 @@ def _plot(rows: list[dict], chance: float) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     frontier = [r for r in rows if r["part"] == "frontier"]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
@@ -238,9 +239,11 @@ def _plot(rows: list[dict], chance: float) -> None:
         where = "noise in shares under SecAgg+" if placement == "secagg" else f"noise at the {placement}"
         ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=where)
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("final test accuracy")
-    axes[-1].legend(fontsize=7)
+    labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
+    axes[-1].legend(labelled.values(), labelled.keys(), fontsize=7)  # every strategy, wherever it was drawn
     save_figure(fig, "privacy_utility_epsilon.png")
 
     cohort = [r for r in rows if r["part"] == "cohort"]
@@ -254,6 +257,8 @@ def _plot(rows: list[dict], chance: float) -> None:
     ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
     ax.set(xscale="log", xlabel="clients per round N (C = 500)", ylabel="final test accuracy",
            title="epsilon 8, noise at the server")
+    ax.set_xticks(COHORTS, [str(n) for n in COHORTS])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, "privacy_utility_cohort.png")
