@@ -87,6 +87,12 @@ def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, No
     return config, protocol, node
 
 
+def global_state(msg: Message) -> GlobalState:
+    """The global adapters the server sent, with the release whose sketches produced them."""
+    return GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
+                       int(msg.content["config"]["produced-by"]))
+
+
 def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_id: int):
     """Seeded noise in simulations that ask for it, else None: the OS's secure randomness."""
     return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
@@ -117,9 +123,7 @@ def train(msg: Message, context: Context) -> Message:
         return secaggplus_mod(msg, context, secure_train)
     startup_seconds = _startup_seconds()
     config, protocol, node = round_setup(msg, context)
-    round_config = msg.content["config"]
-    state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
-                        int(round_config["produced-by"]))
+    round_config, state = msg.content["config"], global_state(msg)
     if PACKED not in round_config:  # this node's own client
         return reply(msg, *_client_round(msg, config, protocol, state, node.partition_id,
                                          _local_data(config, node), startup_seconds))
@@ -140,9 +144,7 @@ def secure_train(msg: Message, context: Context) -> Message:
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     startup_seconds = _startup_seconds()
     config, protocol, node = round_setup(msg, context)
-    round_config = msg.content["config"]
-    state = GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
-                        int(round_config["produced-by"]))
+    round_config, state = msg.content["config"], global_state(msg)
     release, metrics, _ = _client_round(msg, config, protocol, state, node.partition_id, _local_data(config, node),
                                         startup_seconds)
     started = time.perf_counter()

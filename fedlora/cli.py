@@ -164,8 +164,8 @@ def _secure_privacy(args: argparse.Namespace) -> None:
     print(f"noise multiplier z = {plan.noise_multiplier:.4g} in the sum; each client adds its share, z / "
           f"sqrt({config.required_replies()}) = {plan.noise_multiplier / config.required_replies() ** 0.5:.4g}")
     print(plan.planned.describe())
-    print(f"one client's reply alone: epsilon = {alone.epsilon:.4g} (against a server that breaks SecAgg+ or sums "
-          "fewer than min-replies replies)")
+    print(f"one client's reply alone: epsilon = {alone.epsilon:.4g} ({config.threat_model}, only its own noise share; "
+          "against a server that breaks SecAgg+ or sums fewer than min-replies replies)")
 
 
 def _validate_privacy(args: argparse.Namespace) -> None:
@@ -299,8 +299,9 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     if plan.planned is not None:
         print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
         if (alone := one_reply_report(config, plan)) is not None:
-            print(f"  one client's reply alone (noise z / sqrt({config.required_replies()})): epsilon = "
-                  f"{alone.epsilon:.4g}, what a server that breaks SecAgg+ or sums fewer replies could learn")
+            print(f"  one client's reply alone: epsilon = {alone.epsilon:.4g} ({config.threat_model}, only its own noise "
+                  f"share, z / sqrt({config.required_replies()})), what a server that breaks SecAgg+ or sums fewer "
+                  "replies could learn")
         budget = config.budget()
         if budget is not None and plan.planned.epsilon > budget:
             if plan.new_ledger(config).would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)],

@@ -8,7 +8,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
@@ -20,6 +20,7 @@ from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.events import Phase, SkellamRelease
+from fedlora.secure_sum import one_reply
 from fedlora.training import evaluate, select_device
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -98,11 +99,8 @@ def one_reply_report(config: RunConfig, plan: NoisePlan) -> PrivacyReport | None
     what a server that breaks SecAgg+, or sums fewer than N_min replies, could learn. None for other placements."""
     if config.noise_placement != "secagg" or plan.planned is None:
         return None
-    n_min = config.required_replies()
-
     def alone(release):
-        return tuple(replace(part, noise_multiplier=part.noise_multiplier / math.sqrt(n_min),
-                             variance=part.variance / n_min) if isinstance(part, SkellamRelease) else part
+        return tuple(one_reply(part, config.required_replies()) if isinstance(part, SkellamRelease) else part
                      for part in release)
 
     phases = [Phase(name, alone(plan.releases[name]), sampling_of(config), rounds)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -40,6 +40,12 @@ def rounded_norm_bound(norm: float, dim: int, beta: float = ROUNDING_BETA) -> fl
         return loose
     tight = math.sqrt(norm ** 2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (norm + math.sqrt(dim) / 2))
     return min(loose, tight)
+
+
+def one_reply(release: SkellamRelease, min_replies: int) -> SkellamRelease:
+    """One reply of a sum released with at least ``min_replies``: its own noise share, V / N_min (z / sqrt(N_min))."""
+    return replace(release, noise_multiplier=release.noise_multiplier / math.sqrt(min_replies),
+                   variance=release.variance / min_replies)
 
 
 def os_generator() -> np.random.Generator:
@@ -105,10 +111,9 @@ class SkellamSecureSum:
         return SkellamRelease(self.noise_multiplier, self.norm_bound, self.sum_variance, self.dim)
 
     def message_release(self) -> SkellamRelease:
-        """What one client's reply alone would release (its noise is V / N_min: z / sqrt(N_min)), for a server that
-        breaks the protocol or sums fewer replies than it may."""
-        return SkellamRelease(self.noise_multiplier / math.sqrt(self.min_replies), self.norm_bound,
-                              self.share_variance, self.dim)
+        """What one client's reply alone would release, for a server that breaks the protocol or sums fewer replies
+        than it may."""
+        return one_reply(self.release(), self.min_replies)
 
     def encode(self, release: Mapping[str, Tensor], generator: np.random.Generator) -> dict[str, np.ndarray]:
         """One client's integers (int64 in [-c, c), by entry name): scaled, rounded, noised, reduced."""

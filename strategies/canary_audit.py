@@ -15,7 +15,7 @@ from flwr.app import Context, RecordDict
 from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
 from clients.app import app as client_app
-from clients.app import canary_train
+from clients.app import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
@@ -38,9 +38,7 @@ class CanaryGrid(InProcessGrid):
 
     def _client(self, message, context):
         if message.metadata.message_type == "train":
-            config = message.content["config"]
-            self.broadcasts[int(config["server-round"])] = GlobalState(
-                dict(message.content["arrays"].to_torch_state_dict()), int(config["produced-by"]))
+            self.broadcasts[int(message.content["config"]["server-round"])] = global_state(message)
             if context.node_config["partition-id"] in self.canaries:
                 return canary_train(message, context, self.canaries[context.node_config["partition-id"]])
         return client_app(message, context)

@@ -28,6 +28,12 @@ def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:
     return ArrayRecord({name: t.detach().cpu().contiguous() for name, t in message.items()})
 
 
+def _mean_telemetry(metrics: list) -> dict[str, float]:
+    """The round's mean client telemetry (train loss only where a non-private client reports it); NaN if none."""
+    return {key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics])) if metrics else np.nan
+            for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")}
+
+
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
 
 
@@ -351,8 +357,7 @@ class FedLoRAStrategy(Strategy):
             info["clip_fraction"] = fraction
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
-                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]) if metrics else np.nan)
-                       for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")})
+                    **_mean_telemetry(metrics))
         del releases, valid, clients  # with noise at the server, no single message outlives the aggregation
         return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
 
@@ -387,10 +392,8 @@ class FedLoRAStrategy(Strategy):
         self.state = protocol.aggregate([codec.decode(result.total, torch.float64)], server_round, self.state,
                                         release=info["release"], clip_norm=self.clip_norm, optimizer=self.optimizer,
                                         summed=len(result.summed))
-        metrics = list(result.metrics.values())
         info.update(clip_norm=self.clip_norm, aggregation_seconds=time.time() - started,
-                    **{key.replace("-", "_"): float(np.mean([float(m.get(key, np.nan)) for m in metrics]))
-                       if metrics else np.nan for key in ("train-seconds", "privatize-seconds", "startup-seconds")})
+                    **_mean_telemetry(list(result.metrics.values())))
         return to_arrays(self.state.message)
 
     def _zero_release(self, server_round: int) -> dict[str, torch.Tensor]:
