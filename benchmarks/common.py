@@ -67,10 +67,10 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
     from flwr.app import Context, RecordDict
     from flwr.common.logger import LOGGER_NAME
 
-    from clients.app import app
+    from fedlora.clients.app import app
     from fedlora.config import OUT_DIR_KEY
-    from strategies.inprocess_grid import InProcessGrid
-    from strategies.server_app import run_federation
+    from fedlora.strategies.inprocess_grid import InProcessGrid
+    from fedlora.strategies.server_app import run_federation
 
     run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir)}
     flower = logging.getLogger(LOGGER_NAME)

@@ -124,7 +124,7 @@ def main() -> None:
 
 
 def measure(args: argparse.Namespace) -> dict:
-    from strategies.canary_audit import audit_federation
+    from fedlora.strategies.canary_audit import audit_federation
 
     started = time.perf_counter()
     results = []

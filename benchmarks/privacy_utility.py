@@ -5,6 +5,8 @@ client it takes to reach an accuracy.
     python -m benchmarks.privacy_utility                          # everything, seeds 0 and 1 (hours here)
     python -m benchmarks.privacy_utility --parts frontier --epsilons 8 --seeds 0
     python -m benchmarks.privacy_utility --workers 2     # two runs at a time, one torch thread each
+    python -m benchmarks.privacy_utility --strategies gm-ffa-lora --placements server,secagg --epsilons 8 \
+        --seeds 0,1,2,3,4,5                               # more seeds of one comparison
 Results: benchmarks/results/privacy_utility.{md,csv,json} and privacy_utility_{epsilon,cohort}.png. Runs are in
 process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol, strategy and accountant of
 `fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
@@ -48,8 +50,10 @@ def _family(strategy: str) -> str:
     return get_algorithm(strategy).family.value
 
 
-def plan(parts: list[str], epsilons: list[float], seeds: list[int]) -> list[dict]:
-    """Every run with its config (checked before the first starts)."""
+def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: list[str] | None = None,
+         placements: list[str] | None = None) -> list[dict]:
+    """Every run with its config (checked before the first starts); ``strategies`` and ``placements`` (default
+    all) restrict it, the non-private references counting as placement "-"."""
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
@@ -59,6 +63,12 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int]) -> list[dict
         for n in COHORTS:
             cases += [("cohort", s, "server", 8.0, n) for s in COHORT_STRATEGIES]
             cases.append(("cohort", REFERENCE["ffa"], "-", math.inf, n))
+    for name, chosen, known in (("strategy", strategies, (*PRIVATE, *REFERENCE.values())),
+                                ("placement", placements, (*PLACEMENTS, "-"))):
+        if unknown := [c for c in chosen or () if c not in known]:
+            raise ValueError(f"Unknown {name} '{unknown[0]}'; choose from {', '.join(known)}.")
+    cases = [c for c in cases if (strategies is None or c[1] in strategies)
+             and (placements is None or c[2] in placements)]
     runs = []
     for part, strategy, placement, eps, n in cases:
         for seed in seeds:
@@ -88,6 +98,9 @@ def main() -> None:
     parser.add_argument("--parts", default="frontier,cohort")
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--strategies", help="only these (comma-separated; default: all)")
+    parser.add_argument("--placements", help="only these noise placements (client, server, secagg; '-' for the "
+                                             "non-private references; default: all)")
     parser.add_argument("--table-only", action="store_true", help="write the tables and plots from the json")
     parser.add_argument("--workers", type=int, default=1,
                         help="runs at a time, each in its own process with cores / workers torch threads (on 2 "
@@ -98,7 +111,9 @@ def main() -> None:
         parts = args.parts.split(",")
         if unknown := [p for p in parts if p not in ("frontier", "cohort")]:
             raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
-        runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")])
+        runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
+                    args.strategies.split(",") if args.strategies else None,
+                    args.placements.split(",") if args.placements else None)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}.")
     except ValueError as error:

@@ -58,9 +58,9 @@ _MEMORY_PROBE = """
 import json, resource, sys
 sys.path.insert(0, {root!r})
 from flwr.app import Context, RecordDict
-from clients.app import app
-from strategies.server_app import run_federation
-from strategies.inprocess_grid import InProcessGrid
+from fedlora.clients.app import app
+from fedlora.strategies.server_app import run_federation
+from fedlora.strategies.inprocess_grid import InProcessGrid
 c = int(sys.argv[1])
 cfg = {{"num-clients": c, "clients-per-round": 4, "num-rounds": 3, "local-steps": 2, "train-examples": 2500,
         "test-examples": 200, "out-dir": sys.argv[2]}}

@@ -26,7 +26,7 @@ binomial, so it gives the run's empirical epsilon as a lower bound at a stated c
 al.'s estimate (Gaussians fitted to the included canaries' scores and to those of directions never
 inserted) is reported beside it: a point estimate, not a bound.
 
-Pure NumPy/torch: no Flower here (the canary run's glue is in ``strategies.canary_audit``).
+Pure NumPy/torch: no Flower here (the canary run's glue is in ``fedlora.strategies.canary_audit``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ from pathlib import Path
 from fedlora.federation import GlobalState
 
 STATE_FILE = "global-state.safetensors"
+# The layout of the file's metadata and tensors. Bumped whenever it changes: a run is resumed only by a fedlora that
+# reads its checkpoint's format (files without the field are format 1, the first).
+CHECKPOINT_FORMAT = 1
 OPTIMIZER_PREFIX = "server-optimizer/"
 
 RUNNING, FINISHED, BUDGET_SPENT, STALLED, RESTART = "running", "finished", "budget-spent", "stalled", "restart"
@@ -51,7 +54,8 @@ class Checkpoint:
         progress = {"rounds_done": self.rounds_done, "releases": self.releases, "in_flight": self.in_flight,
                     "ledger": self.ledger, "rows": self.rows, "status": self.status, "reason": self.reason,
                     "simulated": self.simulated, "clip_norm": self.clip_norm}
-        metadata = {"produced_by": str(self.state.produced_by), "progress": json.dumps(progress)}
+        metadata = {"produced_by": str(self.state.produced_by), "progress": json.dumps(progress),
+                    "format": str(CHECKPOINT_FORMAT)}
         if self.secret_fingerprint is not None:
             metadata["secret_fingerprint"] = str(self.secret_fingerprint)
         tensors = {**self.state.message, **{OPTIMIZER_PREFIX + n: t for n, t in self.optimizer.items()}}
@@ -74,6 +78,9 @@ class Checkpoint:
             raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
+            if int(metadata.get("format", 1)) != CHECKPOINT_FORMAT:
+                raise ValueError(f"The checkpoint in '{run_dir}' has format {metadata['format']}; this fedlora "
+                                 f"reads format {CHECKPOINT_FORMAT}: continue the run with the fedlora that wrote it.")
             tensors = {n: f.get_tensor(n) for n in f.keys()}
         state = GlobalState({n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)},
                             int(metadata["produced_by"]))

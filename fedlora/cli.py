@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from fedlora import __version__
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.config import parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
@@ -346,29 +347,44 @@ def run(args: argparse.Namespace) -> None:
 
 
 def resume(args: argparse.Namespace) -> None:
-    """Continues a run from its checkpoint, with its own config."""
+    """Continues a simulation from its checkpoint, with its own config."""
+    from fedlora.launch import run_simulation
+
+    out_dir, config = _resumable(args, "run")
+    _done(run_simulation(config, out_dir, resume=True), out_dir)
+
+
+def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):
+    """The run directory and config of the run `fedlora <command> --resume` continues, once it is known to be one
+    that command can continue (``check`` raising otherwise); prints what will run."""
     from pathlib import Path
 
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
     from fedlora.experiment import load_run_config
-    from fedlora.launch import run_simulation
+    from fedlora.launch import DEPLOYMENT_FILE
 
-    if args.config or args.set or args.out:
-        raise CLIError("--resume continues a run with its own config and directory: drop --config, --set and --out.")
+    given = [flag for flag in ("config", "set", "out", "credentials", "insecure") if getattr(args, flag, None)]
+    if given:
+        raise CLIError(f"--resume continues a run with its own config, directory and security: drop --{given[0]}.")
     out_dir = Path(args.resume)
     config, _, _ = load_run_config(out_dir)
     saved = Checkpoint.load(out_dir) if (out_dir / STATE_FILE).is_file() else None
     if saved is not None and saved.status in ENDED:
         raise CLIError(f"The run in '{out_dir}' has ended ({saved.status}, {saved.rounds_done} rounds): there is "
                        "nothing to resume.")
-    if saved is not None and not saved.simulated:
-        raise CLIError(f"The run in '{out_dir}' was a deployment: `fedlora run --resume` resumes simulations only.")
-    _prepare(args, config, "run", out_dir=out_dir)
+    deployed = (out_dir / DEPLOYMENT_FILE).is_file() or (saved is not None and not saved.simulated)
+    if command == "run" and deployed:
+        raise CLIError(f"The run in '{out_dir}' was a deployment: continue it with `fedlora deploy --resume "
+                       f"{out_dir}`.")
+    if command == "deploy" and not deployed:
+        raise CLIError(f"The run in '{out_dir}' was a simulation: continue it with `fedlora run --resume {out_dir}`.")
+    check(out_dir, config)
+    _prepare(args, config, command, out_dir=out_dir)
     done = saved.rounds_done if saved else 0
     last = saved.rows[-1] if saved and saved.rows else None
     epsilon = f", epsilon {last['epsilon']:.3f} ({last['threat_model']}) spent" if last else ""
     print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
-    _done(run_simulation(config, out_dir, resume=True), out_dir)
+    return out_dir, config
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -378,8 +394,14 @@ def deploy(args: argparse.Namespace) -> None:
 
     from fedlora.config import DEPLOY_PRESET, RunConfig, load_config
     from fedlora.credentials import Credentials, make_credentials
-    from fedlora.launch import deploy_locally
+    from fedlora.launch import deploy_locally, deployment_credentials
 
+    if args.resume:
+        out_dir, config = _resumable(args, "deploy", check=deployment_credentials)
+        credentials = deployment_credentials(out_dir, config)
+        print(f"  security: {_security(credentials)}")
+        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True), out_dir)
+        return
     given = dict(parse_assignment(a) for a in args.set)
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
     config = load_config(args.config, preset + args.set)
@@ -403,18 +425,18 @@ def deploy(args: argparse.Namespace) -> None:
     credentials = None
     if args.credentials:
         credentials = Credentials(Path(args.credentials), config.num_clients)
-        per_node = ("node.key", "sketch-secret") if config.sketch_secret == "node-file" else ("node.key",)
-        needed = [credentials.ca_cert, *[credentials.node_dir(i) / f for i in range(config.num_clients) for f in per_node]]
-        missing = [str(f) for f in needed if not f.is_file()]
-        if missing:
+        if missing := credentials.missing(secret=config.sketch_secret == "node-file"):
             raise CLIError(f"--credentials lacks {missing[0]}: write them with `fedlora credentials DIR --nodes "
                            f"{config.num_clients}`.")
     elif not args.insecure:
         credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
-    security = (f"TLS and SuperNode authentication, credentials in {credentials.root}" if credentials
-                else "INSECURE (no TLS, no SuperNode authentication), as asked")
-    print(f"  security: {security}")
+    print(f"  security: {_security(credentials)}")
     _done(deploy_locally(config, out_dir, credentials=credentials), out_dir)
+
+
+def _security(credentials) -> str:
+    return (f"TLS and SuperNode authentication, credentials in {credentials.root}" if credentials
+            else "INSECURE (no TLS, no SuperNode authentication), as asked")
 
 
 def audit(args: argparse.Namespace) -> dict:
@@ -427,7 +449,7 @@ def audit(args: argparse.Namespace) -> dict:
     from fedlora.audit import audit_mechanism
     from fedlora.config import AUDIT_PRESET, load_config
     from fedlora.experiment import check_before_start, noise_for
-    from strategies.canary_audit import MIN_CANARIES, audit_federation, check_canary_audit
+    from fedlora.strategies.canary_audit import MIN_CANARIES, audit_federation, check_canary_audit
 
     preset = [] if args.config else [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
     config = load_config(args.config, preset + args.set)
@@ -498,6 +520,7 @@ def _audit_lines(r: dict) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedlora", description="Differentially private federated LoRA with sketched Gaussian mechanisms.")
+    parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     d = commands.add_parser("describe", help="what each mechanism uploads and costs for a model's LoRA adapters")
     d.add_argument("--model", default="vit-b16-random", choices=list(MODELS),
@@ -512,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "upload of its N clients per round")
 
     r = commands.add_parser("run", help="run a simulated federation (default: the offline CPU quickstart)")
-    r.add_argument("--config", help="a TOML preset (e.g. configs/quickstart.toml); default: the quickstart")
+    r.add_argument("--config", help="a TOML preset file, or a packaged preset by name (quickstart, small_cohort, "
+                                    "cifar100_private, paper_cifar100); default: the quickstart")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
     r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
@@ -525,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--credentials", help="a folder written by `fedlora credentials` (default: new, in the run "
                                           "directory)")
     dp.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication")
+    dp.add_argument("--resume", metavar="DIR", help="continue the deployment in DIR from its last checkpoint (after "
+                                                    "its SuperLink or ServerApp died), with its config and security")
 
     cr = commands.add_parser("credentials", help="TLS certificates, SuperNode keys and the sketch secret, one "
                                                  "folder per machine")

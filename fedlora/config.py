@@ -377,13 +377,30 @@ def parse_assignment(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def packaged_presets() -> dict[str, Path]:
+    """The presets that come with fedlora (configs/*.toml, installed as fedlora/configs), by name."""
+    import fedlora.configs
+
+    return {p.stem: p for folder in fedlora.configs.__path__ for p in sorted(Path(folder).glob("*.toml"))}
+
+
+def preset_path(path: str | Path) -> Path:
+    """A preset file: the file at ``path``, or for a bare name (``quickstart``) the packaged preset of that name."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    presets = packaged_presets()
+    if path.parent == Path(".") and path.stem in presets and path.suffix in ("", ".toml"):
+        return presets[path.stem]
+    raise ValueError(f"Config file '{path}' does not exist (or give a packaged preset by name: "
+                     f"{', '.join(presets)}).")
+
+
 def load_config(path: str | Path | None = None, assignments: list[str] | None = None) -> RunConfig:
     """A TOML preset (its top-level keys, or its [tool.flwr.app.config] table) plus `--set` overrides."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"Config file '{path}' does not exist.")
+        path = preset_path(path)
         try:
             data = tomllib.loads(path.read_text())
         except tomllib.TOMLDecodeError as error:

@@ -51,6 +51,12 @@ class Credentials:
     def node_dir(self, i: int) -> Path:
         return self.root / f"supernode-{i}"
 
+    def missing(self, *, secret: bool) -> list[Path]:
+        """The files a deployment needs that the folder lacks (with ``secret``, the nodes' sketch secrets too)."""
+        per_node = ("node.key", "sketch-secret") if secret else ("node.key",)
+        needed = [self.ca_cert, *[self.node_dir(i) / f for i in range(self.nodes) for f in per_node]]
+        return [f for f in needed if not f.is_file()]
+
 
 def _write_private(path: Path, data: bytes) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

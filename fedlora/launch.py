@@ -32,6 +32,7 @@ from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
 
 CONNECTION = "fedlora-local"
+DEPLOYMENT_FILE = "deployment.json"  # in a deployment's run directory: the credentials it runs with
 ENGINE_RESTARTS = 3  # restarts of a simulation that lost a Ray worker, per launch
 
 
@@ -44,7 +45,7 @@ def _toml_value(value) -> str:
 
 
 def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: bool = False,
-              client_app: str = "clients.app:app") -> Path:
+              client_app: str = "fedlora.clients.app:app") -> Path:
     """A minimal Flower app whose components are fedlora's (or the given ClientApp, for fault injection) and
     whose run config is ``config``; with ``resume`` the ServerApp continues from the run directory's checkpoint."""
     app_dir = out_dir / "flower-app"
@@ -55,7 +56,7 @@ def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: boo
         "[build-system]", 'requires = ["setuptools>=69"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", 'name = "fedlora-run"', 'version = "0.1.0"', 'description = "A fedlora run"',
         'license = "Apache-2.0"', "", "[tool.flwr.app]", 'publisher = "fedlora"', "",
-        "[tool.flwr.app.components]", 'serverapp = "strategies.server_app:app"', f'clientapp = "{client_app}"',
+        "[tool.flwr.app.components]", 'serverapp = "fedlora.strategies.server_app:app"', f'clientapp = "{client_app}"',
         "", "[tool.flwr.app.config]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()], ""]))
     return app_dir
 
@@ -173,7 +174,7 @@ def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list
         return saved.rows
     done = saved.rounds_done if saved else 0
     why = f" ({saved.reason})" if saved and saved.reason else ""
-    hint = f"; resume it with `fedlora run --resume {out_dir}`" if saved and saved.simulated else ""
+    hint = f"; resume it with `fedlora {'run' if saved.simulated else 'deploy'} --resume {out_dir}`" if saved else ""
     raise LaunchError(f"The federation stopped after {done} of {config.num_rounds} rounds{why}; see "
                       f"{out_dir / 'flower.log'}{hint}.")
 
@@ -188,7 +189,7 @@ def _flower(out_dir: Path):
 
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0, resume: bool = False,
-                   client_app: str = "clients.app:app") -> list[dict]:
+                   client_app: str = "fedlora.clients.app:app") -> list[dict]:
     """Runs (or, with ``resume``, continues) the federation on Ray; returns the per-round metrics. A run that
     lost a Ray worker is restarted from its checkpoint. Raises LaunchError if it does not end."""
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
@@ -226,16 +227,35 @@ def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, cre
             str(folder / "node.key"), "--node-config", node_config]
 
 
+def deployment_credentials(out_dir: Path, config: RunConfig) -> Credentials | None:
+    """The credentials a deployment ran with (None: insecure), to resume it with the same."""
+    path = Path(out_dir) / DEPLOYMENT_FILE
+    if not path.is_file():
+        raise ValueError(f"'{out_dir}' holds no {DEPLOYMENT_FILE}: is it a deployment's run directory?")
+    root = json.loads(path.read_text())["credentials"]
+    if root is None:
+        return None
+    credentials = Credentials(Path(root), config.num_clients)
+    if missing := credentials.missing(secret=config.sketch_secret == "node-file"):
+        raise ValueError(f"The deployment's credentials lack {missing[0]}: a resumed deployment needs the ones it "
+                         "started with.")
+    return credentials
+
+
 def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials | None, echo=print,
-                   start_timeout: float = 60.0) -> list[dict]:
-    """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run, then every process stopped.
+                   start_timeout: float = 60.0, resume: bool = False) -> list[dict]:
+    """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run (with ``resume``: the rest of the run in
+    ``out_dir``, from its checkpoint), then every process stopped.
 
     With ``credentials`` the SuperLink serves TLS with them and admits only the registered SuperNodes;
-    without, everything runs in Flower's insecure mode.
+    without, everything runs in Flower's insecure mode. ``out_dir`` records which, for a resume.
     """
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    app_dir = write_app(config, out_dir, simulation=False)
+    if not resume:
+        (out_dir / DEPLOYMENT_FILE).write_text(json.dumps(
+            {"credentials": str(credentials.root.resolve()) if credentials else None}) + "\n")
+    app_dir = write_app(config, out_dir, simulation=False, resume=resume)
     with _flower(out_dir) as flower:
         port = free_port()
         flower.connect(port, credentials.ca_cert if credentials else None)
@@ -257,5 +277,5 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
                 i, superlink=f"127.0.0.1:{port}", port=node_port, num_nodes=config.num_clients,
                 credentials=credentials, secret=secret), env=threads)
             flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
-        saved = flower.follow(app_dir, config, echo)
+        saved = flower.follow(app_dir, config, echo, resume=resume)
     return _outcome(saved, config, out_dir)

@@ -14,14 +14,14 @@ import torch
 from flwr.app import Context, RecordDict
 from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
-from clients.app import app as client_app
-from clients.app import canary_train, global_state
+from fedlora.clients.app import app as client_app
+from fedlora.clients.app import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
 from fedlora.federation import GlobalState, Protocol, derive_seed
-from strategies.inprocess_grid import InProcessGrid
-from strategies.server_app import run_federation
+from fedlora.strategies.inprocess_grid import InProcessGrid
+from fedlora.strategies.server_app import run_federation
 
 MIN_CANARIES = 100
 NULL_CANARIES = 1000  # directions never inserted beyond one per canary: the null scores (free: nobody sends them)

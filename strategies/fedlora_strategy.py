@@ -21,7 +21,7 @@ from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED
 from fedlora.mechanisms import NoisePlacement
 from fedlora.federation import LORA, PACKED, GlobalState, Protocol, derive_seed, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
-from strategies.secure_aggregation import secure_sum
+from fedlora.strategies.secure_aggregation import secure_sum
 
 
 def to_arrays(message: dict[str, torch.Tensor]) -> ArrayRecord:

@@ -15,7 +15,7 @@ from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, run_config_of
 from fedlora.experiment import RunRecorder, load_run_config, noise_for, sampling_of
 from fedlora.federation import Protocol
-from strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
+from fedlora.strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
 
 app = ServerApp()
 

@@ -210,7 +210,7 @@ def _canary_config(strategy: str):
 
 
 def test_canary_run_catches_a_non_private_strategy(tmp_path):
-    from strategies.canary_audit import audit_federation
+    from fedlora.strategies.canary_audit import audit_federation
 
     result = audit_federation(_canary_config("ffa-lora"), 100, tmp_path / "run", echo=lambda line: None)
     assert result.level == "federation" and 30 < result.trials < 70  # each of the 100 canaries in with probability 1/2
@@ -224,7 +224,7 @@ def test_canary_run_catches_a_non_private_strategy(tmp_path):
 def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_path, levers):
     """Also with noise at the server and updates: the canaries are scored on the global model round by round,
     what that placement's adversary sees."""
-    from strategies.canary_audit import audit_federation
+    from fedlora.strategies.canary_audit import audit_federation
 
     config = load_config(None, [*_canary_config("sgmm-ffa-lora").to_assignments(), *levers])
     result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)

@@ -89,12 +89,24 @@ def test_privacy_poisson_and_non_private(capsys):
     ([], "Give --target-epsilon or --noise-multiplier"),
     (["--config", str(QUICKSTART), "--rounds", "5"], "--config takes every value from the preset; drop "
                                                                "--rounds"),
-    (["--config", "missing.toml"], "Config file 'missing.toml' does not exist"),
+    (["--config", "missing.toml"], "Config file 'missing.toml' does not exist (or give a packaged preset by name: "
+                                   "cifar100_private, paper_cifar100, quickstart, small_cohort)"),
 ])
 def test_privacy_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(["privacy", *argv]) == 2
     captured = capsys.readouterr()
     assert message in captured.err and captured.err.count("\n") == 1 and not captured.out
+
+
+def test_the_version_and_a_packaged_preset_by_name_from_any_directory(capsys, monkeypatch, tmp_path):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"fedlora {version('fedlora')}\n"
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    assert main(["privacy", "--config", "quickstart", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["noise_multiplier"] == pytest.approx(1.4707, abs=1e-3)
 
 
 def test_paper_table(capsys):

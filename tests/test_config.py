@@ -1,6 +1,7 @@
 import pytest
 
-from fedlora.config import ConfigError, RunConfig, load_config, parse_assignment
+from fedlora.config import (OUT_DIR_KEY, RESUME_KEY, ConfigError, RunConfig, load_config, packaged_presets,
+                            parse_assignment)
 
 
 def test_defaults_are_valid_and_keys_use_the_vocabulary():
@@ -100,14 +101,17 @@ def test_bad_files_and_assignments(tmp_path):
 
 
 def test_one_vocabulary_everywhere():
-    """pyproject's Flower run config and the quickstart preset are the defaults, key for key."""
+    """pyproject's Flower run config and the quickstart preset are the defaults, key for key (beside the launch
+    keys: where the ServerApp writes, and whether it resumes); the packaged presets are the configs/ files."""
     import tomllib
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
     flower = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert {k: v for k, v in flower.items() if k != "out-dir"} == RunConfig().to_mapping()
-    assert load_config(root / "configs" / "quickstart.toml") == RunConfig()
+    assert {k: v for k, v in flower.items() if k not in (OUT_DIR_KEY, RESUME_KEY)} == RunConfig().to_mapping()
+    assert (flower[OUT_DIR_KEY], flower[RESUME_KEY]) == ("runs/flwr", False)
+    assert load_config(root / "configs" / "quickstart.toml") == RunConfig() == load_config("quickstart")
+    assert packaged_presets() == {p.stem: p for p in sorted((root / "configs").glob("*.toml"))}
     assert load_config(root / "configs" / "small_cohort.toml").clients_per_round == 4  # the first quickstart
     paper = load_config(root / "configs" / "paper_cifar100.toml")
     assert (paper.num_clients, paper.clients_per_round, paper.num_rounds, paper.sketch_dim) == (625, 4, 400, 150)
@@ -136,9 +140,9 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
 
     from flwr.app import Context, RecordDict
 
-    from clients.app import app
-    from strategies.inprocess_grid import InProcessGrid
-    from strategies.server_app import run_federation
+    from fedlora.clients.app import app
+    from fedlora.strategies.inprocess_grid import InProcessGrid
+    from fedlora.strategies.server_app import run_federation
 
     preset = Path(__file__).resolve().parents[1] / "configs" / "cifar100_private.toml"
     gpu = load_config(preset)

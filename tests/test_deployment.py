@@ -1,5 +1,6 @@
 """Real deployments on 127.0.0.1: a SuperLink and SuperNodes as processes, a few rounds, then nothing left."""
 
+import contextlib
 import json
 import os
 import subprocess
@@ -10,12 +11,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
+from fedlora.checkpoint import ENDED, FINISHED, RUNNING, STATE_FILE, Checkpoint
 from fedlora.cli import main
 from fedlora.config import DEPLOY_PRESET, RunConfig
 from fedlora.credentials import make_credentials
 from fedlora.experiment import reconstruct
-from fedlora.launch import CONNECTION, Flower, deploy_locally, free_port, supernode_args
+from fedlora.federation import GlobalState
+from fedlora.launch import CONNECTION, DEPLOYMENT_FILE, Flower, deploy_locally, free_port, supernode_args
 from tests.helpers import leftover_flower_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,6 +93,85 @@ def test_a_tls_deployment_under_secure_aggregation(tmp_path):
     assert not leftover_flower_processes()
 
 
+def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finishes(tmp_path):
+    """kill -9 of the SuperLink and everything under it (the ServerApp) after round 1; `fedlora deploy --resume`
+    completes the rounds from the checkpoint, every release counted once (a cut release under OS noise stays
+    counted and is never replayed), the node-held sketch secret never on the server side."""
+    out = tmp_path / "run"
+    settings = {**{k: v for k, v in FAST.items() if DEPLOY_PRESET.get(k) != v}, "threat-model": "'secret-sketch'",
+                "noise-multiplier": 2.3, "target-epsilon": 0}  # no budget: the cut release must not end the run
+    launcher = subprocess.Popen([str(Path(sys.executable).parent / "fedlora"), "deploy", "--out", str(out),
+                                 *[f"--set={k}={v}" for k, v in settings.items()]],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        superlink = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
+                         if "flower-superlink" in " ".join(p.cmdline()))
+        for member in [superlink, *superlink.children(recursive=True)]:
+            member.kill()
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1 and f"fedlora deploy --resume {out}" in err
+    cut = Checkpoint.load(out)
+    assert cut.status == RUNNING and cut.rounds_done == 1
+    assert main(["deploy", "--resume", str(out)]) == 0
+    saved = Checkpoint.load(out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert saved.status == FINISHED and [r["round"] for r in rows] == [1, 2]
+    assert saved.releases == len(saved.ledger["history"]) == rows[-1]["releases"] == 2 + cut.in_flight
+    assert rows[-1]["threat_model"] == "secret-sketch, noise at the client" and all(r["accuracy"] is None for r in rows)
+    secret = (out / "credentials" / "supernode-0" / "sketch-secret").read_text().strip()
+    assert not [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts
+                and secret.encode() in p.read_bytes()]
+    assert not leftover_flower_processes()
+
+
+def _finished_run(path: Path, simulated: bool) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({**RunConfig.from_mapping(FAST).to_mapping(),
+                                                  "noise-multiplier (used)": 1.0, "probe-noise-multiplier (used)": 0.0}))
+    if not simulated:
+        (path / DEPLOYMENT_FILE).write_text(json.dumps({"credentials": None}))
+    return path
+
+
+@pytest.mark.parametrize("case, message", [
+    ("simulation", "was a simulation: continue it with `fedlora run --resume"),
+    ("finished", "has ended (finished"),
+    ("format", "has format 99; this fedlora reads format 1"),
+    ("flags", "drop --set"),
+    ("credentials", "The deployment's credentials lack"),
+    ("nothing", "holds no config.json"),
+])
+def test_deploy_resume_bad_input_is_one_line_and_exit_2(capsys, tmp_path, case, message):
+    run = _finished_run(tmp_path / "run", simulated=case == "simulation") if case != "nothing" else tmp_path
+    if case == "credentials":  # the folder it started with is gone
+        (run / DEPLOYMENT_FILE).write_text(json.dumps({"credentials": str(tmp_path / "gone")}))
+    if case in ("finished", "format", "simulation", "credentials"):
+        state = GlobalState({"w": torch.zeros(2)}, 0)
+        Checkpoint(state, status=FINISHED if case == "finished" else RUNNING, simulated=case == "simulation").save(run)
+    if case == "format":
+        from safetensors.torch import load_file, save_file
+        from safetensors import safe_open
+        with safe_open(str(run / STATE_FILE), framework="pt") as f:
+            metadata = {**f.metadata(), "format": "99"}
+        save_file(load_file(str(run / STATE_FILE)), str(run / STATE_FILE), metadata=metadata)
+    argv = ["deploy", "--resume", str(run)] + (["--set", "num-rounds=4"] if case == "flags" else [])
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_run_resume_refuses_a_deployment(capsys, tmp_path):
+    run = _finished_run(tmp_path / "run", simulated=False)
+    assert main(["run", "--resume", str(run)]) == 2
+    assert f"continue it with `fedlora deploy --resume {run}`" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--set", "noise-source=seeded"], "noise from the OS"),
     (["--set", "threat-model=secret-sketch", "--set", "sketch-secret=run-seed"], "would give the server"),
@@ -134,6 +217,65 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
     assert rows[-1]["threat_model"] == "known-sketch, noise at the client" and (tmp_path / "run" / "adapter").is_dir()
+    deadline = time.time() + 60  # killed SuperNodes' SuperExecs notice their parent is gone and exit
+    while leftover_flower_processes() and time.time() < deadline:
+        time.sleep(1)
+    assert not leftover_flower_processes()
+
+
+def _readme_block(marker: str) -> str:
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(f"<!-- {marker}: begin -->")[1].split(f"<!-- {marker}: end -->")[0]
+    return block.split("```bash\n")[1].split("```")[0]
+
+
+def test_the_readme_restart_steps_resume_a_deployment_whose_server_was_killed(tmp_path):
+    """The README's steps 1-5, the SuperLink and the ServerApp killed (-9) in round 1, then the README's restart
+    lines verbatim: the SuperNodes, never restarted, reconnect to the new SuperLink and the run ends from its
+    checkpoint, every release in the ledger once."""
+    steps = _readme_block("deployment steps").replace("DEPLOY=$PWD/deploy", f"DEPLOY={tmp_path}", 1)
+    setup, run = steps.split("# 5.")[0], "flwr run" + steps.split("# 5.")[1].split("flwr run", 1)[1].split("# 6.")[0]
+    shell = f"DEPLOY={tmp_path}\nexport FLWR_HOME=$DEPLOY/flwr-home\n"
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
+    metrics, state = tmp_path / "run" / "metrics.jsonl", tmp_path / "run" / STATE_FILE
+    try:
+        subprocess.run(["bash", "-e", "-c", setup], cwd=ROOT, env=env, check=True, capture_output=True, timeout=120)
+        with (tmp_path / "first-run.log").open("w") as log:
+            first = subprocess.Popen(["bash", "-e", "-c", shell + run], cwd=ROOT, env=env, stdout=log,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while not (state.is_file() and Checkpoint.load(state.parent).in_flight):  # round 1's release has left
+            assert first.poll() is None and time.time() < deadline, (tmp_path / "first-run.log").read_text()[-3000:]
+            time.sleep(0.2)
+        superlink = next(p for p in psutil.process_iter(["cmdline"])
+                         if "flower-superlink" in " ".join(p.info["cmdline"] or []) and str(tmp_path) in
+                         " ".join(p.info["cmdline"] or []))
+        nodes = [p.pid for p in psutil.process_iter(["cmdline"]) if "flower-supernode" in
+                 " ".join(p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+        for member in [superlink, *superlink.children(recursive=True)]:
+            member.kill()
+        assert first.wait(timeout=120) != 0  # flwr run --stream lost the SuperLink: it exits with an error
+        cut = Checkpoint.load(state.parent)
+        result = subprocess.run(["bash", "-e", "-c", shell + _readme_block("restart steps")], cwd=ROOT, env=env,
+                                capture_output=True, text=True, timeout=400)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        deadline = time.time() + 60  # the ServerApp writes its last checkpoint after `flwr run` returns
+        while Checkpoint.load(state.parent).status not in ENDED and time.time() < deadline:
+            time.sleep(1)
+        still = [p.pid for p in psutil.process_iter(["cmdline"]) if "flower-supernode" in
+                 " ".join(p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    finally:  # every process of these steps names $DEPLOY on its command line, or is a child of one that does
+        for process in psutil.process_iter(["cmdline"]):
+            if str(tmp_path) in " ".join(process.info["cmdline"] or []):
+                for member in [*process.children(recursive=True), process]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        member.kill()
+    saved = Checkpoint.load(state.parent)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert cut.rounds_done == 0 and cut.releases == 1 and saved.status in ENDED
+    assert saved.releases == len(saved.ledger["history"]) == rows[-1]["releases"] == 1 + len(rows)
+    assert [r["round"] for r in rows] == list(range(1, len(rows) + 1)) and all(r["replies"] == 2 for r in rows)
+    assert sorted(still) == sorted(nodes)  # the same SuperNodes served the resumed run
     deadline = time.time() + 60  # killed SuperNodes' SuperExecs notice their parent is gone and exit
     while leftover_flower_processes() and time.time() < deadline:
         time.sleep(1)

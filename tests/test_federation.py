@@ -8,7 +8,7 @@ from flwr.app import Context, RecordDict
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from clients.app import app as client_app
+from fedlora.clients.app import app as client_app
 from fedlora.config import run_config_of
 from fedlora.experiment import noise_for, reconstruct
 from fedlora.federation import DENSE
@@ -16,8 +16,8 @@ from fedlora.models import build_backbone
 from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
 from fedlora.sketch import Side, side_of
-from strategies.server_app import run_federation
-from strategies.inprocess_grid import InProcessGrid
+from fedlora.strategies.server_app import run_federation
+from fedlora.strategies.inprocess_grid import InProcessGrid
 from tests.helpers import PAPER_FORM
 
 SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 2, "local-steps": 2, "batch-size": 8,

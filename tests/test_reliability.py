@@ -11,15 +11,15 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Context, RecordDict
 
-from clients.app import app as client_app
+from fedlora.clients.app import app as client_app
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, STALLED, STATE_FILE, Checkpoint
 from fedlora.config import RESUME_KEY, RunConfig
 from fedlora.experiment import noise_for, sampling_of
 from fedlora.federation import Protocol, packed_key
 from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
 from fedlora.sketch import SketchKey
-from strategies.inprocess_grid import InProcessGrid
-from strategies.server_app import run_federation
+from fedlora.strategies.inprocess_grid import InProcessGrid
+from fedlora.strategies.server_app import run_federation
 from tests.helpers import PAPER_FORM
 
 SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 3, "local-steps": 2, "batch-size": 8,
@@ -180,7 +180,7 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     with monkeypatch.context() as patch:
         if crash_at == "after round 2":  # dies before round 3 is sampled
-            from strategies.fedlora_strategy import FedLoRAStrategy
+            from fedlora.strategies.fedlora_strategy import FedLoRAStrategy
             original = FedLoRAStrategy.configure_train
 
             def configure_train(self, server_round, *args):
@@ -239,7 +239,7 @@ def test_sampling_does_not_depend_on_which_nodes_reply(tmp_path):
     """The accountant assumes N of C uniformly: a node that is gone is sampled like any other."""
     config = RunConfig.from_mapping(SMALL)
     protocol = Protocol(config, 1.0)
-    from strategies.fedlora_strategy import FedLoRAStrategy
+    from fedlora.strategies.fedlora_strategy import FedLoRAStrategy
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), None,
                                sampling_of(config), {})
     draws = [tuple(strategy._sample(release)) for release in range(1, 301)]
@@ -252,7 +252,7 @@ def test_resume_and_run_directories_refuse_bad_input_with_one_line(tmp_path, cap
 
     _run(tmp_path, num_rounds=1)
     for argv, message in [(["--resume", str(tmp_path)], "has ended (finished, 1 rounds)"),
-                          (["--resume", str(tmp_path), "--set", "lr=1"], "drop --config, --set and --out"),
+                          (["--resume", str(tmp_path), "--set", "lr=1"], "its own config, directory and security: drop --set."),
                           (["--out", str(tmp_path)], "holds a run already")]:
         assert main(["run", *argv]) == 2
         err = capsys.readouterr().err

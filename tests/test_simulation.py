@@ -131,7 +131,7 @@ from pathlib import Path
 
 from flwr.clientapp import ClientApp
 
-from clients.app import identify as _identify, train as _train
+from fedlora.clients.app import identify as _identify, train as _train
 
 app = ClientApp()
 MARK = Path("{mark}")
