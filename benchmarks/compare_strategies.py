@@ -2,6 +2,7 @@
 accuracy per round (as the paper's Figure 1) and a table of final and best accuracy, noise, traffic, time.
 
     python -m benchmarks.compare_strategies                       # the quickstart, 7 strategies x 2 seeds
+    python -m benchmarks.compare_strategies --preset small-cohort  # the first quickstart (N = 4, random init)
     python -m benchmarks.compare_strategies --preset paper        # CIFAR-100 + ViT-B/16: a GPU job
     python -m benchmarks.compare_strategies --sweep target-epsilon=2,8,32 --strategies sgmm-ffa-lora,gm-ffa-lora
 Results: benchmarks/results/compare_<preset>[_<sweep key>].{md,csv,png}
@@ -23,7 +24,10 @@ from fedlora.config import load_config
 from fedlora.experiment import check_before_start
 from fedlora.launch import run_simulation
 
-PRESETS = {"cpu": None, "paper": Path(__file__).resolve().parents[1] / "configs" / "paper_cifar100.toml"}
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PRESETS = {"cpu": None,  # the quickstart
+           "small-cohort": CONFIGS / "small_cohort.toml",  # the first quickstart, where private runs sit at chance
+           "paper": CONFIGS / "paper_cifar100.toml"}
 
 
 def _mean_std(values: list[float]) -> str:

@@ -74,8 +74,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draws", type=int, default=20)
     args = parser.parse_args()
-    if args.draws < 2:
-        print("secagg_noise: error: --draws must be at least 2.", file=sys.stderr)
+    problem = "--draws must be at least 2" if args.draws < 2 else "--seed must be at least 0" if args.seed < 0 else None
+    if problem:
+        print(f"secagg_noise: error: {problem}.", file=sys.stderr)
         sys.exit(2)
     from scipy import stats
 

@@ -350,13 +350,14 @@ def resume(args: argparse.Namespace) -> None:
     """Continues a simulation from its checkpoint, with its own config."""
     from fedlora.launch import run_simulation
 
-    out_dir, config = _resumable(args, "run")
+    out_dir, config, _ = _resumable(args, "run")
     _done(run_simulation(config, out_dir, resume=True), out_dir)
 
 
 def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):
     """The run directory and config of the run `fedlora <command> --resume` continues, once it is known to be one
-    that command can continue (``check`` raising otherwise); prints what will run."""
+    that command can continue, and what ``check`` found (it raises if the run cannot continue); prints what will
+    run."""
     from pathlib import Path
 
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
@@ -378,13 +379,13 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
                        f"{out_dir}`.")
     if command == "deploy" and not deployed:
         raise CLIError(f"The run in '{out_dir}' was a simulation: continue it with `fedlora run --resume {out_dir}`.")
-    check(out_dir, config)
+    checked = check(out_dir, config)
     _prepare(args, config, command, out_dir=out_dir)
     done = saved.rounds_done if saved else 0
     last = saved.rows[-1] if saved and saved.rows else None
     epsilon = f", epsilon {last['epsilon']:.3f} ({last['threat_model']}) spent" if last else ""
     print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
-    return out_dir, config
+    return out_dir, config, checked
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -397,8 +398,7 @@ def deploy(args: argparse.Namespace) -> None:
     from fedlora.launch import deploy_locally, deployment_credentials
 
     if args.resume:
-        out_dir, config = _resumable(args, "deploy", check=deployment_credentials)
-        credentials = deployment_credentials(out_dir, config)
+        out_dir, config, credentials = _resumable(args, "deploy", check=deployment_credentials)
         print(f"  security: {_security(credentials)}")
         _done(deploy_locally(config, out_dir, credentials=credentials, resume=True), out_dir)
         return

@@ -45,7 +45,7 @@ def _kill_supernode_after_round_one(out_dir: Path, partition: int, num_nodes: in
 def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_up(tmp_path):
     """Also the levers in deployment: noise at the server (from the OS), updates with server momentum, adaptive
     clipping with the clip bits of real SuperNodes."""
-    config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 3,
+    config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 2,
                                      "min-replies": 2, "reply-timeout": 45, "noise-placement": "server",
                                      "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
                                      "clip-count-stddev": 5.0})
@@ -53,31 +53,14 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     killer = _kill_supernode_after_round_one(tmp_path, partition=2, num_nodes=3)
     rows = deploy_locally(config, tmp_path, credentials=None, echo=lines.append)
     killer.join(timeout=1)
-    assert [r["round"] for r in rows] == [1, 2, 3] and len(lines) == 3
-    assert [r["replies"] for r in rows] == [3, 2, 2] and "(2 of 3 replies)" in lines[1]
+    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
+    assert [r["replies"] for r in rows] == [3, 2] and "(2 of 3 replies)" in lines[1]
     assert all(r["accuracy"] is not None for r in rows)
-    assert rows[-1]["releases"] == 3  # the lost node's replies never arrived, but its sampling counts
+    assert rows[-1]["releases"] == 2  # the lost node's reply never arrived, but its sampling counts
     assert rows[-1]["threat_model"] == "known-sketch, noise at the server" and rows[-1]["epsilon"] <= config.target_epsilon
-    assert len({r["clip_norm"] for r in rows}) == 3  # the clip norm moved every round
+    assert len({r["clip_norm"] for r in rows}) == 2  # the clip norm moved
     assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
-    assert not leftover_flower_processes()
-
-
-def test_a_tls_deployment_with_node_auth_keeps_the_sketch_secret_on_the_nodes(tmp_path):
-    credentials = make_credentials(tmp_path / "credentials", nodes=2)
-    config = RunConfig.from_mapping({**FAST, "threat-model": "secret-sketch", "sketch-secret": "node-file"})
-    out = tmp_path / "run"
-    rows = deploy_locally(config, out, credentials=credentials, echo=lambda line: None)
-    assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
-    assert rows[-1]["threat_model"] == "secret-sketch, noise at the client" and rows[-1]["epsilon"] <= config.target_epsilon
-    assert all(r["accuracy"] is None for r in rows)  # the server cannot de-sketch: it never had the secret
-    secret = (credentials.node_dir(0) / "sketch-secret").read_text().strip()
-    server_side = [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts]
-    assert server_side and not [p for p in server_side if secret.encode() in p.read_bytes()]
-    assert not (out / "adapter").exists()
-    accuracy, _ = reconstruct(out, credentials.node_dir(1) / "sketch-secret", echo=lambda line: None)
-    assert 0 <= accuracy <= 1 and (out / "adapter" / "adapter_config.json").exists()
     assert not leftover_flower_processes()
 
 
@@ -94,9 +77,10 @@ def test_a_tls_deployment_under_secure_aggregation(tmp_path):
 
 
 def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finishes(tmp_path):
-    """kill -9 of the SuperLink and everything under it (the ServerApp) after round 1; `fedlora deploy --resume`
-    completes the rounds from the checkpoint, every release counted once (a cut release under OS noise stays
-    counted and is never replayed), the node-held sketch secret never on the server side."""
+    """A TLS deployment with SuperNode authentication and the sketch secret held by the nodes; kill -9 of the
+    SuperLink and everything under it (the ServerApp) after round 1; `fedlora deploy --resume` completes the rounds
+    from the checkpoint, every release counted once (a cut release under OS noise stays counted and is never
+    replayed), the secret never on the server side; a node's secret reconstructs the adapter afterwards."""
     out = tmp_path / "run"
     settings = {**{k: v for k, v in FAST.items() if DEPLOY_PRESET.get(k) != v}, "threat-model": "'secret-sketch'",
                 "noise-multiplier": 2.3, "target-epsilon": 0}  # no budget: the cut release must not end the run
@@ -125,8 +109,11 @@ def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finis
     assert saved.releases == len(saved.ledger["history"]) == rows[-1]["releases"] == 2 + cut.in_flight
     assert rows[-1]["threat_model"] == "secret-sketch, noise at the client" and all(r["accuracy"] is None for r in rows)
     secret = (out / "credentials" / "supernode-0" / "sketch-secret").read_text().strip()
-    assert not [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts
-                and secret.encode() in p.read_bytes()]
+    server_side = [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts]
+    assert server_side and not [p for p in server_side if secret.encode() in p.read_bytes()]
+    assert not (out / "adapter").exists()  # the server cannot de-sketch: it never had the secret
+    accuracy, _ = reconstruct(out, out / "credentials" / "supernode-1" / "sketch-secret", echo=lambda line: None)
+    assert 0 <= accuracy <= 1 and (out / "adapter" / "adapter_config.json").exists()
     assert not leftover_flower_processes()
 
 

@@ -267,13 +267,16 @@ def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
     assert rows[0] == rows[1] and all(r["replies"] == 5 for r in rows[1])
 
 
-@pytest.mark.parametrize("strategy_name", ["sgmm-ffa-lora", "gm-flexlora"])
-def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, strategy_name):
+@pytest.mark.parametrize("strategy_name, form", [
+    ("sgmm-ffa-lora", {}), ("gm-flexlora", {}),
+    ("gm-ffa-lora", {"message": "update", "server-optimizer": "momentum"}),  # server state across rounds
+], ids=["sgmm-ffa-lora", "gm-flexlora", "gm-ffa-lora-update-momentum"])
+def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, strategy_name, form):
     """Near-zero noise: the global model through SecAgg+ (integers, masks, Flower's mod; FlexLoRA's clients encode
-    their products) is the server placement's to within the quantization and the noise; no training reply the
-    server receives carries arrays."""
+    their products; updates applied by server momentum) is the server placement's to within the quantization and
+    the noise; no training reply the server receives carries arrays."""
     common = {"strategy": strategy_name, "noise-multiplier": 1e-4, "target-epsilon": 0.0, "min-replies": 2,
-              "noise-source": "seeded"}
+              "noise-source": "seeded", **form}
     server, _, _ = _run(tmp_path / "server", noise_placement="server",
                         **{k.replace("-", "_"): v for k, v in common.items()})
     received = []
