@@ -8,7 +8,7 @@ import sys
 
 from fedlora import __version__
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.config import parse_assignment
+from fedlora.config import HEAD_MODES, parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
@@ -43,14 +43,16 @@ def _float_arg(text: str) -> float:
 
 def describe(args: argparse.Namespace) -> dict:
     """What one client uploads per round under each mechanism, and what its sketch costs, for a real model."""
-    from fedlora.lora import build_lora_model, get_adapters  # PEFT: imported only where needed
+    from fedlora.lora import build_lora_model, get_adapters, get_head  # PEFT: imported only where needed
 
     spec = model_spec(args.model)
     if (spec.family, args.targets) not in TARGETS:
         raise CLIError(f"Unknown LoRA targets '{args.targets}'; choose 'qv' or 'all'.")
     model = build_lora_model(args.model, num_classes=args.num_classes, rank=args.rank, alpha=2.0 * args.rank,
-                             targets=args.targets, mode=LoRAMode.FLEX)
+                             targets=args.targets, mode=LoRAMode.FLEX, train_head=True)
     adapters = get_adapters(model)
+    head = sum(t.numel() for t in get_head(model).values())  # sent dense, never sketched
+    with_head = head if args.head == "message" else 0
     b, h, r = args.sketch_dim, args.vector_sketch_dim or args.sketch_dim * args.rank, args.rank
     shapes = [(tuple(a.shape), tuple(bb.shape)) for a, bb in adapters.values()]
     layers = [(m, k) for (_, k), (m, _) in shapes]
@@ -58,7 +60,8 @@ def describe(args: argparse.Namespace) -> dict:
     check_layer_sizes(get_algorithm("sgmv-ffa-lora"), layers, rank=r, sketch_dim=h)
     dense_b = sum(m * r for _, (m, r) in shapes)
     dense_a = sum(r * k for (r, k), _ in shapes)
-    rows = {  # values uploaded per client per round, and multiply-adds of the sketch
+    rows = {  # values uploaded per client per LoRA round (the head with them if it trains in the message), and
+        # multiply-adds of the sketch
         "ffa-lora / gm-ffa-lora (dense B)": (dense_b, 0),
         "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0),
         f"sgmm-ffa-lora (R B, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes)),
@@ -66,10 +69,12 @@ def describe(args: argparse.Namespace) -> dict:
         f"sgmm-flexlora (R B, A R_A, b={b})": (2 * len(shapes) * b * r,
                                                sum(b * (m + k) * r for (_, k), (m, _) in shapes)),
     }
+    rows = {name: (values + with_head, flops) for name, (values, flops) in rows.items()}
     return {
         "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
         "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(shapes),
+        "head": args.head, "head_values": head, "preset_model": getattr(args, "preset_model", None),
         "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for (r, k), (m, _) in shapes}),
         "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
         "mechanisms": [{"strategy": name, "upload_values": values, "upload_bytes": values * _BYTES,
@@ -78,11 +83,17 @@ def describe(args: argparse.Namespace) -> dict:
 
 
 def _print_describe(report: dict) -> None:
-    print(f"{report['model']}: {report['family']} '{report['source']}', {report['image_size']} px, "
-          f"{'pretrained' if report['pretrained'] else 'random init'}, "
+    preset = report.get("preset_model")
+    weights = (f"the shapes of the preset's {preset}" if preset not in (None, report["model"])
+               else "pretrained" if report["pretrained"] else "random init")
+    print(f"{report['model']}: {report['family']} '{report['source']}', {report['image_size']} px, {weights}, "
           f"{report['backbone_parameters'] / 1e6:.1f}M backbone parameters")
     print(f"LoRA rank {report['rank']} on {report['adapted_layers']} layers ({report['targets']}): "
           f"{'; '.join(report['layer_shapes'])}")
+    head = f"classifier head: {report['head_values']:,} values ({report['head_values'] * _BYTES / 1024:.1f} KiB)"
+    print({"message": f"{head}, sent dense in every message: included below",
+           "probe": f"{head}, sent alone in the linear-probe rounds; the LoRA rounds below do not send it",
+           "frozen": "classifier head: frozen, never sent"}[report["head"]])
     print(f"\n{'strategy (mechanism)':<42}{'upload/client/round':>22}{'sketch multiply-adds':>24}")
     for row in report["mechanisms"]:
         print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB{row['sketch_multiply_adds']:>24,}")
@@ -101,7 +112,7 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
     replaced = (("strategy", "target_epsilon", "noise_multiplier", "delta", "num_clients", "clients_per_round",
                  "sampling_rate", "rounds", "rank", "sketch_dim", "model", "threat_model", "noise_placement",
                  "clip_count_stddev", "sampling") if command == "privacy" else
-                ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes"))
+                ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes", "head"))
     defaults = vars(build_parser().parse_args([command]))
     if given := [key for key in replaced if getattr(args, key) != defaults[key]]:
         raise CLIError(f"--config takes every value from the preset; drop --{given[0].replace('_', '-')}.")
@@ -122,7 +133,9 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
         args.model = model_spec(config.model).random_twin or config.model
     else:
         args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
-        args.rank, args.targets, args.num_classes = config.rank, config.targets, config.num_classes
+        args.preset_model = config.model
+        args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.num_classes, \
+            config.head
         algorithm = get_algorithm(config.strategy)
         if algorithm.sketched:
             b = config.effective_sketch_dim()
@@ -530,6 +543,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--sketch-dim", type=_positive, default=150, help="SGMM sketch dimension b (default 150)")
     d.add_argument("--vector-sketch-dim", type=_positive, default=None, help="SGMV sketch dimension h (default b r)")
     d.add_argument("--num-classes", type=_positive, default=100)
+    d.add_argument("--head", default="message", choices=list(HEAD_MODES),
+                   help="classifier head: trained in every message (default), in linear-probe rounds only, or frozen")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--config", help="a TOML preset: its model, rank, targets, sketch dimension and classes, and the "
                                     "upload of its N clients per round")

@@ -14,12 +14,18 @@ def test_describe_reports_real_shapes_and_upload_sizes(capsys):
     assert main(["describe", "--model", "vit-tiny", "--rank", "4", "--sketch-dim", "16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["adapted_layers"] == 12 and report["layer_shapes"] == ["B 192x4, A 4x192"]
+    head = 192 * 100 + 100  # the 100-class head, sent dense in every message by default
+    assert (report["head"], report["head_values"]) == ("message", head)
     uploads = {row["strategy"].split(" ")[0]: row for row in report["mechanisms"]}
-    assert uploads["ffa-lora"]["upload_values"] == 12 * 192 * 4  # dense B
-    assert uploads["sgmm-ffa-lora"]["upload_values"] == 12 * 16 * 4  # R B: b x r per layer
-    assert uploads["sgmv-ffa-lora"]["upload_values"] == 12 * 64  # h = b r
+    assert uploads["ffa-lora"]["upload_values"] == 12 * 192 * 4 + head  # dense B
+    assert uploads["sgmm-ffa-lora"]["upload_values"] == 12 * 16 * 4 + head  # R B: b x r per layer
+    assert uploads["sgmv-ffa-lora"]["upload_values"] == 12 * 64 + head  # h = b r
     # the vectorized sketch costs r times the matrix sketch (paper, Section 2)
     assert uploads["sgmv-ffa-lora"]["sketch_multiply_adds"] == 4 * uploads["sgmm-ffa-lora"]["sketch_multiply_adds"]
+    for mode in ("probe", "frozen"):  # the LoRA rounds' messages carry no head
+        assert main(["describe", "--model", "vit-tiny", "--sketch-dim", "16", "--head", mode, "--json"]) == 0
+        rows = {row["strategy"].split(" ")[0]: row for row in json.loads(capsys.readouterr().out)["mechanisms"]}
+        assert rows["ffa-lora"]["upload_values"] == 12 * 192 * 4
 
 
 @pytest.mark.parametrize("argv, message", [

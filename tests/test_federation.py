@@ -267,6 +267,21 @@ def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
     assert rows[0] == rows[1] and all(r["replies"] == 5 for r in rows[1])
 
 
+@pytest.mark.parametrize("strategy_name", ["sgmv-ffa-lora", "sgmm-flexlora"])
+def test_describe_gives_the_bytes_a_client_sends(tmp_path, capsys, strategy_name):
+    """`fedlora describe --config` of a run's setting predicts the upload each client's release measured."""
+    from fedlora.cli import main
+
+    _, _, config = _run(tmp_path / "run", strategy=strategy_name, num_rounds=1, target_epsilon=10.0)
+    preset = tmp_path / "preset.toml"
+    preset.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items() if key != "out-dir"))
+    assert main(["describe", "--config", str(preset), "--json"]) == 0
+    predicted = {row["strategy"].split(" ")[0]: row["upload_bytes"]
+                 for row in json.loads(capsys.readouterr().out)["mechanisms"]}
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["bytes_up"] == predicted[strategy_name]
+
+
 @pytest.mark.parametrize("strategy_name, form", [
     ("sgmm-ffa-lora", {}), ("gm-flexlora", {}),
     ("gm-ffa-lora", {"message": "update", "server-optimizer": "momentum"}),  # server state across rounds

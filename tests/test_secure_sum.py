@@ -54,6 +54,22 @@ def test_the_sum_carries_the_noise_of_the_server_placement():
     assert abs(noise.mean().item()) < 0.05
 
 
+def test_at_the_quickstarts_scale_the_decoded_noise_is_the_servers_gaussian_scaled_by_n_over_n_min():
+    """Shares of Poisson rate ~1e12 (epsilon 4 at the quickstart: z 2.16, N = 50, N_min = 45): the sum of N shares
+    is Gaussian in shape (Kolmogorov-Smirnov) with variance N / N_min times the server's (z tau)^2."""
+    from scipy import stats
+
+    z, n, n_min, dim = 2.16015625, 50, 45, 11_136
+    codec = SkellamSecureSum(z, 1.0, clients=n, min_replies=n_min, dim=dim)
+    assert codec.share_variance / 2 > 1e12
+    zero = {"w": torch.zeros(dim)}
+    noise = codec.decode({"w": sum(codec.encode(zero, np.random.default_rng(i))["w"] for i in range(n))},
+                         torch.float64)["w"].numpy()
+    std = z * math.sqrt(n / n_min)
+    assert noise.std() == pytest.approx(std, rel=0.03) and abs(noise.mean()) < 4 * std / math.sqrt(dim)
+    assert stats.kstest(noise / std, "norm").pvalue > 0.01
+
+
 def test_rounding_never_exceeds_the_norm_bound():
     codec = SkellamSecureSum(1.0, 1.0, clients=3, min_replies=2, dim=39, bits=12)  # coarse: rounding matters
     rng = np.random.default_rng(1)
