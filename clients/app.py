@@ -22,7 +22,7 @@ from fedlora.config import RunConfig, load_splits, run_config_of
 from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
 from fedlora.federation import PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.lora import get_adapters
-from fedlora.mechanisms import CLIP_MARGIN
+from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
 from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed, secret_fingerprint
 from fedlora.training import select_device
@@ -144,15 +144,20 @@ def secure_train(msg: Message, context: Context) -> Message:
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     startup_seconds = _startup_seconds()
     config, protocol, node = round_setup(msg, context)
-    round_config, state = msg.content["config"], global_state(msg)
-    release, metrics, _ = _client_round(msg, config, protocol, state, node.partition_id, _local_data(config, node),
-                                        startup_seconds)
+    release, metrics, _ = _client_round(msg, config, protocol, global_state(msg), node.partition_id,
+                                        _local_data(config, node), startup_seconds)
+    return encoded_reply(msg, protocol, node.partition_id, release, metrics)
+
+
+def encoded_reply(msg: Message, protocol: Protocol, partition_id: int, release: dict, metrics: dict) -> Message:
+    """A client's constrained ``release`` encoded with its noise share, as the reply secaggplus_mod masks."""
     started = time.perf_counter()
+    round_config = msg.content["config"]
     mechanism = protocol.mechanism_for(int(round_config["server-round"]), round_clip_norm(msg))
     codec = protocol.secure_sum(mechanism, {n: tuple(t.shape) for n, t in release.items()})
     encoded = codec.encode(protocol.secure_message(release),
-                           protocol.secure_noise(int(round_config["release"]), node.partition_id))
-    metrics["privatize-seconds"] += time.perf_counter() - started
+                           protocol.secure_noise(int(round_config["release"]), partition_id))
+    metrics["privatize-seconds"] = metrics.get("privatize-seconds", 0.0) + time.perf_counter() - started
     return secure_reply(msg, encoded, metrics)
 
 
@@ -186,7 +191,13 @@ def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: Gl
 def canary_train(msg: Message, context: Context, direction: dict) -> Message:
     """A canary client of the privacy audit (fedlora.audit): instead of training, it sends its fixed unit
     ``direction`` (zero for a canary left out) scaled to the clip norm, through the round's mechanism like any
-    client."""
+    client (under secure aggregation, through SecAgg+ with its noise share)."""
+    if RECORD_KEY_CONFIGS in msg.content.config_records:
+        return secaggplus_mod(msg, context, lambda m, c: _canary_round(m, c, direction))
+    return _canary_round(msg, context, direction)
+
+
+def _canary_round(msg: Message, context: Context, direction: dict) -> Message:
     config, protocol, node = round_setup(msg, context)
     round_config = msg.content["config"]
     round_, release = int(round_config["server-round"]), int(round_config["release"])
@@ -194,4 +205,7 @@ def canary_train(msg: Message, context: Context, direction: dict) -> Message:
     message = {name: t * clip_norm * (1 - CLIP_MARGIN) for name, t in direction.items()}
     out, bit = protocol.privatize(message, round_=round_, release=release, clip_norm=clip_norm,
                                   noise=round_noise(config, protocol, release, node.partition_id))
-    return reply(msg, out, {"partition-id": node.partition_id}, bit)
+    metrics = {"partition-id": node.partition_id}
+    if protocol.placement is NoisePlacement.SECAGG:
+        return encoded_reply(msg, protocol, node.partition_id, out, metrics)
+    return reply(msg, out, metrics, bit)

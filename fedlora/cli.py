@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from fedlora import __version__
@@ -459,7 +460,7 @@ def audit(args: argparse.Namespace) -> dict:
     from pathlib import Path
 
     from fedlora.algorithms import make_mechanism
-    from fedlora.audit import audit_mechanism
+    from fedlora.audit import audit_mechanism, audit_secure_sum
     from fedlora.config import AUDIT_PRESET, load_config
     from fedlora.experiment import check_before_start, noise_for
     from fedlora.strategies.canary_audit import MIN_CANARIES, audit_federation, check_canary_audit
@@ -468,9 +469,6 @@ def audit(args: argparse.Namespace) -> dict:
     config = load_config(args.config, preset + args.set)
     if config.sketch_secret == "node-file":
         raise CLIError('The audit simulates the clients: use sketch-secret = "run-seed".')
-    if config.noise_placement == "secagg":
-        raise CLIError('fedlora audit does not audit secure aggregation yet (its release is integers with Skellam '
-                       'noise, not the Gaussian the audit draws): audit noise-placement = "server", the same z.')
     canaries = min(300, config.num_clients * 3 // 4) if args.canaries is None else args.canaries
     if args.canaries is None and canaries < MIN_CANARIES:  # too few clients for the run: the mechanism level only
         canaries = 0
@@ -490,10 +488,19 @@ def audit(args: argparse.Namespace) -> dict:
     say(f"fedlora audit: {config.strategy}, {mechanism.describe()}")
     say(f"mechanism level: one {m}x{config.rank} LoRA B at clip norm {config.clip_norm:g}, {args.trials} releases of "
         "it and of its neighbour ...")
-    result = {"strategy": config.strategy, **audit_mechanism(
-        mechanism, shape=(m, config.rank), trials=args.trials, delta=config.delta, seed=config.seed,
-        clients_per_round=config.clients_per_round).to_json(), "federation": None}
-    say(_audit_lines(result))
+    common = {"shape": (m, config.rank), "trials": args.trials, "delta": config.delta, "seed": config.seed,
+              "clients_per_round": config.clients_per_round}
+    if config.noise_placement == "secagg":  # what the server sees if it follows SecAgg+, and if it does not
+        result = {"strategy": config.strategy, **audit_secure_sum(
+            mechanism, min_replies=config.required_replies(), **common).to_json()}
+        say(_audit_lines(result))
+        result["one_reply"] = audit_secure_sum(mechanism, min_replies=config.required_replies(), alone=True,
+                                               **common).to_json()
+        say(_audit_lines(result["one_reply"]))
+    else:
+        result = {"strategy": config.strategy, **audit_mechanism(mechanism, **common).to_json()}
+        say(_audit_lines(result))
+    result["federation"] = None
     if not canaries:
         say(f"federation level: skipped ({'--canaries 0' if args.canaries == 0 else f'{config.num_clients} clients are too few for {MIN_CANARIES} canaries'})")
     else:
@@ -669,6 +676,7 @@ def main(argv: list[str] | None = None) -> int:
             _validate_privacy(args)
             result = privacy(args)
             print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
+        sys.stdout.flush()  # here, where a reader that left is caught
         return 0
     except ValueError as error:  # every bad input the package detects: a ValueError, one sentence per problem
         for line in str(error).splitlines():
@@ -676,6 +684,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RuntimeError as error:  # a run that started and failed (SimulationError): its log is named
         print(f"fedlora: error: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # the reader left (`fedlora describe | head -1`): stop quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
         return 1
 
 

@@ -38,7 +38,8 @@ class CanaryGrid(InProcessGrid):
 
     def _client(self, message, context):
         if message.metadata.message_type == "train":
-            self.broadcasts[int(message.content["config"]["server-round"])] = global_state(message)
+            if "arrays" in message.content.array_records:  # the training message (under SecAgg+, its third stage)
+                self.broadcasts[int(message.content["config"]["server-round"])] = global_state(message)
             if context.node_config["partition-id"] in self.canaries:
                 return canary_train(message, context, self.canaries[context.node_config["partition-id"]])
         return client_app(message, context)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from fedlora.audit import (audit_mechanism, canary_epsilon, canary_scores, canary_signature, epsilon_lower_bound,
+from fedlora.audit import (audit_mechanism, audit_secure_sum, canary_epsilon, canary_scores, canary_signature, epsilon_lower_bound,
                            gaussian_pair_epsilon, roc_auc, tpr_at_fpr)
 from fedlora.cli import main
 from fedlora.config import load_config
@@ -147,6 +147,25 @@ def test_the_audit_is_reproducible_from_its_seed():
     assert first["auc"] != other["auc"]
 
 
+def test_secure_aggregation_audit_sees_the_server_placements_gaussian_in_the_sum_and_one_reply_barely_noised():
+    """SecAgg+ with N_min = 8 of 10 replies: the decoded sum of N_min replies carries the server placement's noise
+    (AUC of the likelihood ratio test Phi(mu / sqrt 2), mu = 2 / z, as for GM); one reply decoded alone carries
+    z / sqrt(N_min). Both lower bounds stay below their accountant's epsilon, and the reply alone is far less
+    private."""
+    z, n_min = 2.0, 8
+    mechanism = gaussian_mechanism(clip_norm=1.0, noise_multiplier=z, placement="secagg")
+    summed = audit_secure_sum(mechanism, clients_per_round=10, min_replies=n_min, shape=SMALL, trials=3000)
+    alone = audit_secure_sum(mechanism, clients_per_round=10, min_replies=n_min, alone=True, shape=SMALL,
+                             trials=3000)
+    assert summed.auc == pytest.approx(stats.norm.cdf(2 / z / math.sqrt(2)), abs=0.02)
+    assert alone.auc == pytest.approx(stats.norm.cdf(2 * math.sqrt(n_min) / z / math.sqrt(2)), abs=0.02)
+    assert 0 < summed.empirical_epsilon < summed.accountant_epsilon < alone.empirical_epsilon < alone.accountant_epsilon
+    assert summed.threat_model == "known-sketch, noise in client shares under secure aggregation"
+    with pytest.raises(ValueError, match="private mechanism"):
+        audit_secure_sum(gaussian_mechanism(clip_norm=1.0, noise_multiplier=0.0, placement="secagg"),
+                         clients_per_round=10, min_replies=8, shape=SMALL)
+
+
 def test_audit_refuses_bad_input():
     with pytest.raises(ValueError, match="clip norm"):
         audit_mechanism(Mechanism(), shape=SMALL)
@@ -235,6 +254,20 @@ def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_pat
     assert result.empirical_epsilon < result.accountant_epsilon and result.estimate_epsilon < result.accountant_epsilon
 
 
+def test_canary_run_through_secure_aggregation_finds_weakly_noised_canaries_and_stays_below_its_accountant(tmp_path):
+    """The canaries take part in SecAgg+ like any client (their noise shares, masks and all): at a small noise
+    multiplier the sum shows them, and the one-run bound still stays below the run's own ledger."""
+    from fedlora.strategies.canary_audit import audit_federation
+
+    config = load_config(None, [*_canary_config("gm-ffa-lora").to_assignments(), "noise-placement=secagg",
+                                "message=update", "target-epsilon=0", "noise-multiplier=0.05"])
+    result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
+    assert result.threat_model == "known-sketch, noise in client shares under secure aggregation"
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["replies"] == config.clients_per_round and result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])
+    assert result.auc > 0.6 and 0.5 < result.empirical_epsilon < result.accountant_epsilon
+
+
 # -- the command line -------------------------------------------------------------------------------
 def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
     code = main(["audit", "--json", "--trials", "200", "--canaries", "100", "--out", str(tmp_path / "a"),
@@ -257,13 +290,25 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
     (["--set", "strategy=nope"], "strategy must be one of"),
     (["--set", "target-epsilon=0.001"], "unreachable"),
     (["--canaries", "100", "--set", "simulation-nodes=4"], "leave simulation-nodes at 0"),
-    (["--set", "noise-placement=secagg"], "does not audit secure aggregation yet"),
+    (["--set", "noise-placement=secagg", "--set", "strategy=ffa-lora"], "adds the noise in shares"),
 ])
 def test_fedlora_audit_bad_input_is_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["audit", "--trials", "200", "--out", str(tmp_path / "a"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
     assert not (tmp_path / "a").exists()
+
+
+def test_fedlora_audit_of_secure_aggregation_audits_the_sum_and_one_reply_alone(tmp_path, capsys):
+    code = main(["audit", "--json", "--trials", "200", "--canaries", "0", "--out", str(tmp_path / "a"),
+                 "--set", "noise-placement=secagg"])
+    assert code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "sum of N_min = 45 of 50" in printed["name"] and "one reply alone" in printed["one_reply"]["name"]
+    assert printed["threat_model"] == printed["one_reply"]["threat_model"] == \
+        "known-sketch, noise in client shares under secure aggregation"
+    assert printed["accountant_epsilon"] < printed["one_reply"]["accountant_epsilon"]
+    assert printed["federation"] is None
 
 
 def test_a_run_audit_prints_its_estimate_even_when_infinite():

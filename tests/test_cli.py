@@ -47,6 +47,13 @@ def test_console_script_exits_2_without_traceback():
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_a_reader_that_leaves_early_gets_no_traceback():
+    """`fedlora describe | head -1`: here the reader (`true`) is gone before the first line is written."""
+    result = subprocess.run(f"{sys.executable} -m fedlora.cli describe --model vit-tiny | true", shell=True,
+                            capture_output=True, text=True)
+    assert result.stderr == ""
+
+
 def _json(capsys, argv):
     assert main(argv) == 0
     return json.loads(capsys.readouterr().out)
