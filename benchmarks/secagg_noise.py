@@ -6,6 +6,7 @@ same variance). Each draw's noisy mean update is applied (server SGD, lr 1) and 
 
     python -m benchmarks.secagg_noise                  # 20 draws of each (about 6 min here)
     python -m benchmarks.secagg_noise --draws 5 --seed 1
+    python -m benchmarks.secagg_noise --replay --epsilon 4 --seed 0   # whole runs (about 15 min here)
 Results: benchmarks/results/secagg_noise.{md,json}. The noiseless round is one in-process run at z = 1e-6; the noisy
 global model is that round's state plus the noise over N, exactly what either placement's aggregation computes.
 """
@@ -69,15 +70,88 @@ def measure(seed: int, draws: int) -> dict[str, list[float]]:
     return results
 
 
+def replay(seed: int, epsilon: float) -> dict:
+    """A secagg run that records each round's noise, then the server placement with that noise; both in process."""
+    import math
+
+    from fedlora.mechanisms import Mechanism
+
+    base = ['strategy="gm-ffa-lora"', f"target-epsilon={epsilon}", f"seed={seed}"]
+    pending, noises, ratios, means = [], [], [], []
+    encode, decode = SkellamSecureSum.encode, SkellamSecureSum.decode
+
+    def recording_encode(self, release, generator):
+        pending.append({n: t.detach().double().clone() for n, t in release.items()})
+        return encode(self, release, generator)
+
+    def recording_decode(self, total, dtype=torch.float32):
+        out = decode(self, total, dtype)
+        noise = {n: t.double() - sum(p[n] for p in pending) for n, t in out.items()}
+        flat = torch.cat([t.ravel() for t in noise.values()])
+        ratios.append(float(flat.std()) / (self.noise_multiplier * self.clip_norm
+                                           * math.sqrt(len(pending) / self.min_replies)))
+        means.append(float(flat.mean() / flat.std()))
+        noises.append(noise)
+        pending.clear()
+        return out
+
+    def replaying_noise_sum(self, total, noise, *, scale=1.0):
+        recorded = next(replayed)
+        return {n: t + recorded[n].to(t.dtype) for n, t in total.items()}
+
+    with tempfile.TemporaryDirectory() as out:
+        SkellamSecureSum.encode, SkellamSecureSum.decode = recording_encode, recording_decode
+        try:
+            secure = run_inprocess(load_config(None, [*base, 'noise-placement="secagg"']), Path(out) / "secagg")
+        finally:
+            SkellamSecureSum.encode, SkellamSecureSum.decode = encode, decode
+        replayed, noise_sum = iter(noises), Mechanism.noise_sum
+        Mechanism.noise_sum = replaying_noise_sum
+        try:
+            server = run_inprocess(load_config(None, [*base, 'noise-placement="server"']), Path(out) / "server")
+        finally:
+            Mechanism.noise_sum = noise_sum
+    return {"seed": seed, "epsilon": epsilon, "noise_multiplier": secure[-1]["noise_multiplier"],
+            "secagg": [r["accuracy"] for r in secure], "server_with_secagg_noise": [r["accuracy"] for r in server],
+            "noise_sd_over_expected": ratios, "noise_mean_in_sds": means, "summed": [r["replies"] for r in secure]}
+
+
+def write_replay(result: dict) -> None:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "secagg_replay.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["# Secure aggregation's pipeline against the server placement's, given the same noise", "",
+             f"Command: `{command_line('benchmarks.secagg_noise')}`  ", f"Commit: {revision()}  ",
+             f"Machine: {machine()}  ",
+             f"Setting: the quickstart's gm-ffa-lora, seed {result['seed']}, epsilon {result['epsilon']:g} (z = "
+             f"{result['noise_multiplier']}), in process. A secagg run records each round's noise (decoded sum minus "
+             "the plain sum of the releases); the server placement then runs with the same seed, adding exactly that "
+             "noise.", "",
+             "| round | secagg | server placement, secagg's noise | noise sd / (z tau sqrt(n / N_min)) | noise mean (sd) | replies summed |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for i, (a, b, r, m, n) in enumerate(zip(result["secagg"], result["server_with_secagg_noise"],
+                                            result["noise_sd_over_expected"], result["noise_mean_in_sds"],
+                                            result["summed"]), start=1):
+        lines.append(f"| {i} | {a:.3f} | {b:.3f} | {r:.3f} | {m:+.3f} | {n} |")
+    (RESULTS / "secagg_replay.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--replay", action="store_true", help="whole runs: secagg, then the server placement with "
+                                                              "the noise secagg's sums carried")
+    parser.add_argument("--epsilon", type=float, default=4.0, help="target epsilon of the --replay runs")
     args = parser.parse_args()
-    problem = "--draws must be at least 2" if args.draws < 2 else "--seed must be at least 0" if args.seed < 0 else None
+    problem = ("--draws must be at least 2" if args.draws < 2 else "--seed must be at least 0" if args.seed < 0
+               else "--epsilon must be positive" if not args.epsilon > 0 else None)
     if problem:
         print(f"secagg_noise: error: {problem}.", file=sys.stderr)
         sys.exit(2)
+    if args.replay:
+        write_replay(replay(args.seed, args.epsilon))
+        return
     from scipy import stats
 
     results = measure(args.seed, args.draws)

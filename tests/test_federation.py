@@ -324,3 +324,47 @@ def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, s
     assert written[0] == written[1]
     assert set(load_file(tmp_path / "secagg" / "global-state.safetensors")) == \
         set(load_file(tmp_path / "server" / "global-state.safetensors"))
+
+
+def test_given_the_noise_its_sum_carried_secure_aggregation_is_the_server_placement(tmp_path, monkeypatch):
+    """At a real noise multiplier: record the noise each SecAgg+ round's decoded sum carried (decoded sum minus the
+    plain sum of the clients' releases; its size is z tau sqrt(n / N_min)), then run the server placement adding
+    exactly that noise: the same global model, round for round. What is left between the placements is the noise's
+    law, which tests/test_secure_sum.py checks."""
+    from fedlora.mechanisms import Mechanism
+    from fedlora.secure_sum import SkellamSecureSum
+
+    common = {"strategy": "gm-ffa-lora", "noise-multiplier": 1.0, "target-epsilon": 0.0, "min-replies": 2,
+              "noise-source": "seeded", "message": "update", "server-optimizer": "momentum"}
+    pending, noises = [], []
+    encode, decode = SkellamSecureSum.encode, SkellamSecureSum.decode
+
+    def recording_encode(self, release, generator):
+        pending.append({n: t.double() for n, t in release.items()})
+        return encode(self, release, generator)
+
+    def recording_decode(self, total, dtype=torch.float32):
+        out = decode(self, total, dtype)
+        noise = {n: t.double() - sum(p[n] for p in pending) for n, t in out.items()}
+        flat = torch.cat([t.ravel() for t in noise.values()])
+        assert abs(float(flat.std()) / (self.noise_multiplier * self.clip_norm * (len(pending) / self.min_replies) ** 0.5)
+                   - 1) < 0.1
+        noises.append(noise)
+        pending.clear()
+        return out
+
+    monkeypatch.setattr(SkellamSecureSum, "encode", recording_encode)
+    monkeypatch.setattr(SkellamSecureSum, "decode", recording_decode)
+    secure, _, _ = _run(tmp_path / "secagg", noise_placement="secagg", **{k.replace("-", "_"): v for k, v in common.items()})
+    assert len(noises) == SMALL["num-rounds"]
+    replay = iter(noises)
+
+    def replaying_noise_sum(self, total, noise, *, scale=1.0):  # the server placement's step, with that noise
+        recorded = next(replay)
+        return {n: t + recorded[n].to(t.dtype) for n, t in total.items()}
+
+    monkeypatch.setattr(Mechanism, "noise_sum", replaying_noise_sum)
+    server, _, _ = _run(tmp_path / "server", noise_placement="server", **{k.replace("-", "_"): v for k, v in common.items()})
+    assert next(replay, None) is None  # every round's noise was replayed, once
+    for name, t in secure.state.message.items():  # without the noise (z = 1) they would differ by far more
+        assert torch.allclose(server.state.message[name], t, atol=1e-3), name
