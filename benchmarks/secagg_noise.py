@@ -102,13 +102,15 @@ def replay(seed: int, epsilon: float) -> dict:
     with tempfile.TemporaryDirectory() as out:
         SkellamSecureSum.encode, SkellamSecureSum.decode = recording_encode, recording_decode
         try:
-            secure = run_inprocess(load_config(None, [*base, 'noise-placement="secagg"']), Path(out) / "secagg")
+            secure = run_inprocess(load_config(None, [*base, 'noise-placement="secagg"']), Path(out) / "secagg",
+                                   echo=lambda line: print(f"  [secagg, recording its noise] {line}", flush=True))
         finally:
             SkellamSecureSum.encode, SkellamSecureSum.decode = encode, decode
         replayed, noise_sum = iter(noises), Mechanism.noise_sum
         Mechanism.noise_sum = replaying_noise_sum
         try:
-            server = run_inprocess(load_config(None, [*base, 'noise-placement="server"']), Path(out) / "server")
+            server = run_inprocess(load_config(None, [*base, 'noise-placement="server"']), Path(out) / "server",
+                                   echo=lambda line: print(f"  [server, secagg's noise] {line}", flush=True))
         finally:
             Mechanism.noise_sum = noise_sum
     return {"seed": seed, "epsilon": epsilon, "noise_multiplier": secure[-1]["noise_multiplier"],
