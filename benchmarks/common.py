@@ -58,9 +58,10 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
+def run_inprocess(config, out_dir: Path, echo=lambda line: None, resume: bool = False) -> list[dict]:
     """One federation in this process (the ServerApp and ClientApp over an in-process Grid: the same protocol,
-    strategy and accountant as `fedlora run`, without Ray); its metrics.jsonl rows."""
+    strategy and accountant as `fedlora run`, without Ray); its metrics.jsonl rows. ``resume``: continue from the
+    checkpoint in ``out_dir`` if there is one."""
     import json
     import logging
 
@@ -68,11 +69,11 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None) -> list[dict]:
     from flwr.common.logger import LOGGER_NAME
 
     from fedlora.clients.app import app
-    from fedlora.config import OUT_DIR_KEY
+    from fedlora.config import OUT_DIR_KEY, RESUME_KEY
     from fedlora.strategies.inprocess_grid import InProcessGrid
     from fedlora.strategies.server_app import run_federation
 
-    run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir)}
+    run_config = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir), RESUME_KEY: resume}
     flower = logging.getLogger(LOGGER_NAME)
     level, _ = flower.level, flower.setLevel(logging.WARNING)
     try:

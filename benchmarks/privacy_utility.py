@@ -51,9 +51,10 @@ def _family(strategy: str) -> str:
 
 
 def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: list[str] | None = None,
-         placements: list[str] | None = None) -> list[dict]:
+         placements: list[str] | None = None, min_replies: int | None = None) -> list[dict]:
     """Every run with its config (checked before the first starts); ``strategies`` and ``placements`` (default
-    all) restrict it, the non-private references counting as placement "-"."""
+    all) restrict it, the non-private references counting as placement "-"; ``min_replies``: secagg's N_min
+    instead of its default (such runs are stored under their own keys)."""
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
@@ -81,13 +82,16 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
                 values["clients-per-round"] = n
             if _family(strategy) == "flex":
                 values["message"] = "adapter"
+            variant = ""
+            if min_replies is not None and placement == "secagg":
+                values["min-replies"], variant = min_replies, f"|min-replies={min_replies}"
             config = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in values.items()])
             # at the quickstart's N a cohort run is the frontier's run: it is run (and stored) once
             same = part == "cohort" and config.clients_per_round == load_config().clients_per_round
             runs.append({"part": part, "strategy": strategy, "placement": placement, "epsilon": eps, "seed": seed,
                          "n": config.clients_per_round, "config": config,
                          "key": f"{'frontier' if same else part}|{strategy}|{placement}|{eps}|"
-                                f"{config.clients_per_round}|{seed}"})
+                                f"{config.clients_per_round}|{seed}{variant}"})
     for run in runs:
         noise_for(run["config"])  # an unreachable target fails here, before any run
     return runs
@@ -106,6 +110,11 @@ def main() -> None:
                         help="runs at a time, each in its own process with cores / workers torch threads (on 2 "
                              "cores, 2 workers finish about 1.3x more runs per hour than 1: tiny matrices scale "
                              "poorly across threads)")
+    parser.add_argument("--min-replies", type=int, help="secagg's N_min for these runs (default: the config's, "
+                                                         "90%% of N); its runs are tabled only with this option")
+    parser.add_argument("--run-dirs", type=Path,
+                        help="keep each run's directory here (default: a temporary one): a run stopped midway "
+                             "continues from its last round's checkpoint when the benchmark is started again")
     args = parser.parse_args()
     try:
         parts = args.parts.split(",")
@@ -113,7 +122,7 @@ def main() -> None:
             raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
         runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
                     args.strategies.split(",") if args.strategies else None,
-                    args.placements.split(",") if args.placements else None)
+                    args.placements.split(",") if args.placements else None, args.min_replies)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}.")
     except ValueError as error:
@@ -128,10 +137,11 @@ def main() -> None:
     # Workers are spawned processes that return results; only this process writes the store.
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_set_threads, initargs=(threads,)) as pool:
-        futures = {pool.submit(_run_one, run["key"], run["config"]): run for run in todo}
+        futures = {pool.submit(_run_one, run["key"], run["config"], args.run_dirs): run for run in todo}
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
             key, result = future.result()
-            done[key] = result
+            # Re-read first: another benchmark (or a run on another machine merged in) may have saved meanwhile.
+            done = {**(json.loads(STORE.read_text()) if STORE.is_file() else {}), key: result}
             RESULTS.mkdir(exist_ok=True)
             STORE.write_text(json.dumps(done, indent=1) + "\n")
             print(f"== [{i + 1}/{len(todo)}] {key}: accuracy {result['accuracy'][-1]:.3f} "
@@ -145,15 +155,25 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_one(key: str, config: RunConfig) -> tuple[str, dict]:
+def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, dict]:
     """One run, in a worker process: its key and what the store keeps of it."""
+    from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
+
     started = time.time()
+    echo = lambda line: print(f"    [{key}] {line}", flush=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
-        rows = run_inprocess(config, Path(tmp) / "run",
-                             echo=lambda line: print(f"    [{key}] {line}", flush=True))
+        out = run_dirs / key.replace("|", "_").replace("=", "-") if run_dirs else Path(tmp) / "run"
+        resumed = (out / STATE_FILE).is_file()
+        if resumed and Checkpoint.load(out).status in ENDED:  # it ended before the store was written
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        else:
+            if resumed:
+                echo(f"resuming from {out}")
+            rows = run_inprocess(config, out, echo=echo, resume=resumed)
     return key, {"accuracy": [r["accuracy"] for r in rows], "epsilon": rows[-1]["epsilon"],
                  "threat_model": rows[-1]["threat_model"], "noise_multiplier": rows[-1]["noise_multiplier"],
-                 "bytes_up": [r["bytes_up"] for r in rows], "seconds": time.time() - started}
+                 "bytes_up": [r["bytes_up"] for r in rows], "seconds": time.time() - started, "machine": machine(),
+                 **({"resumed": True} if resumed else {})}
 
 
 def _upload_to_reach(result: dict, accuracy: float) -> float | None:
@@ -167,6 +187,16 @@ def _upload_to_reach(result: dict, accuracy: float) -> float | None:
 
 def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+
+
+def _machines(groups: dict[tuple, list[dict]]) -> str:
+    """Each machine the table's runs recorded, with how many ran there (runs before 2026-11-24 recorded none)."""
+    counts: dict[str, int] = {}
+    for results in groups.values():
+        for result in results:
+            where = result.get("machine", "not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)")
+            counts[where] = counts.get(where, 0) + 1
+    return "; ".join(f"{where} ({n} runs)" for where, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def write_results(runs: list[dict], done: dict) -> None:
@@ -203,7 +233,7 @@ def write_results(runs: list[dict], done: dict) -> None:
     lines = ["# Privacy-utility frontier at the quickstart's setting", "",
              f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in privacy_utility.json; "
              "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
-             f"Machine: {machine()}  ",
+             f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
              f"Setting: the quickstart ({config.dataset} data, {config.num_classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps}, clip {config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "

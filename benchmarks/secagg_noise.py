@@ -7,7 +7,8 @@ same variance). Each draw's noisy mean update is applied (server SGD, lr 1) and 
     python -m benchmarks.secagg_noise                  # 20 draws of each (about 6 min here)
     python -m benchmarks.secagg_noise --draws 5 --seed 1
     python -m benchmarks.secagg_noise --replay --epsilon 4 --seed 0   # whole runs (about 15 min here)
-Results: benchmarks/results/secagg_noise.{md,json}. The noiseless round is one in-process run at z = 1e-6; the noisy
+    python -m benchmarks.secagg_noise --spread --epsilon 4 --seed 0 --draws 6 --workers 2   # about 25 min here
+Results: benchmarks/results/secagg_noise.{md,json}; --replay: secagg_replay.{md,json}; --spread: secagg_spread.{md,json}. The noiseless round is one in-process run at z = 1e-6; the noisy
 global model is that round's state plus the noise over N, exactly what either placement's aggregation computes.
 """
 
@@ -118,6 +119,79 @@ def replay(seed: int, epsilon: float) -> dict:
             "noise_sd_over_expected": ratios, "noise_mean_in_sds": means, "summed": [r["replies"] for r in secure]}
 
 
+SPREAD_ARMS = {"z (noise at the server)": 1.0, "z sqrt(N / N_min) (what secagg's sums carry)": 50 / 45}
+
+
+def _spread_run(epsilon: float, seed: int, draw: int, variance_factor: float, threads: int) -> list[float]:
+    """One whole run of the server placement whose noise is draw ``draw`` (everything else the seed's), its variance
+    times ``variance_factor``; in a worker process."""
+    import math
+
+    from fedlora.federation import derive_seed
+    from fedlora.mechanisms import Mechanism
+
+    torch.set_num_threads(threads)
+    noise_sum = Mechanism.noise_sum
+    Protocol.server_noise = lambda self, release: torch.Generator().manual_seed(
+        derive_seed(self.config.seed, "server-noise", release, "draw", draw))
+    Mechanism.noise_sum = lambda self, total, noise, *, scale=1.0: noise_sum(
+        self, total, noise, scale=scale * math.sqrt(variance_factor))
+    config = load_config(None, ['strategy="gm-ffa-lora"', f"target-epsilon={epsilon}", f"seed={seed}",
+                                'noise-placement="server"'])
+    with tempfile.TemporaryDirectory() as out:
+        return [r["accuracy"] for r in run_inprocess(config, Path(out) / "run")]
+
+
+def spread(seed: int, epsilon: float, draws: int, workers: int) -> dict:
+    """How much one run's accuracy moves with its noise draw alone: ``draws`` whole runs per arm."""
+    import concurrent.futures
+    import multiprocessing
+    import os
+
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    runs: dict[str, list] = {arm: [None] * draws for arm in SPREAD_ARMS}  # by draw: the arms share each draw
+    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_spread_run, epsilon, seed, draw, factor, threads): (arm, draw)
+                   for draw in range(draws) for arm, factor in SPREAD_ARMS.items()}
+        for future in concurrent.futures.as_completed(futures):
+            arm, draw = futures[future]
+            runs[arm][draw] = future.result()
+            print(f"  [{arm}, draw {draw}] final accuracy {runs[arm][draw][-1]:.3f}", flush=True)
+    return {"seed": seed, "epsilon": epsilon, "draws": draws, "runs": runs}
+
+
+def write_spread(result: dict) -> None:
+    from scipy import stats
+
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "secagg_spread.json").write_text(json.dumps(result, indent=1) + "\n")
+    finals = {arm: [r[-1] for r in runs] for arm, runs in result["runs"].items()}
+    late = {arm: [statistics.mean(r[4:]) for r in runs] for arm, runs in result["runs"].items()}
+    lines = ["# How much a run's accuracy moves with its noise draw alone", "",
+             f"Command: `{command_line('benchmarks.secagg_noise')}`  ", f"Commit: {revision()}  ",
+             f"Machine: {machine()}  ",
+             f"Setting: the quickstart's gm-ffa-lora with noise at the server, seed {result['seed']} (its sampled "
+             f"clients, batches and partitions fixed), epsilon {result['epsilon']:g}; {result['draws']} whole runs "
+             "per arm; draw k of both arms is the same standardized noise, scaled. The second arm's variance is "
+             "N / N_min = 50 / 45 times the first's: by the replay (secagg_replay.md) it is secure aggregation's "
+             "mechanism at its default N_min = 45, without the protocol.",
+             "", "| noise | final accuracy per draw | mean | sd | rounds 5-10, mean | sd |", "|---|---|---:|---:|---:|---:|"]
+    for arm in SPREAD_ARMS:
+        values = finals[arm]
+        lines.append(f"| {arm} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.mean(values):.3f} | "
+                     f"{statistics.stdev(values):.3f} | {statistics.mean(late[arm]):.3f} | "
+                     f"{statistics.stdev(late[arm]):.3f} |")
+    first, second = (finals[arm] for arm in SPREAD_ARMS)
+    late_first, late_second = (late[arm] for arm in SPREAD_ARMS)
+    lines += ["", "Paired by draw, the first arm's accuracy less the second's: final {:.3f} (t = {:.2f}, p = {:.4f}), "
+              "rounds 5-10 {:.3f} (t = {:.2f}, p = {:.4f}); lower in {} of {} draws.".format(
+                  statistics.mean(a - b for a, b in zip(first, second)), *stats.ttest_rel(first, second),
+                  statistics.mean(a - b for a, b in zip(late_first, late_second)),
+                  *stats.ttest_rel(late_first, late_second), sum(b < a for a, b in zip(first, second)), len(first))]
+    (RESULTS / "secagg_spread.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def write_replay(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "secagg_replay.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -144,13 +218,21 @@ def main() -> None:
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--replay", action="store_true", help="whole runs: secagg, then the server placement with "
                                                               "the noise secagg's sums carried")
-    parser.add_argument("--epsilon", type=float, default=4.0, help="target epsilon of the --replay runs")
+    parser.add_argument("--spread", action="store_true", help="whole runs of the server placement, --draws noise "
+                                                              "draws at z and at z sqrt(N / N_min)")
+    parser.add_argument("--epsilon", type=float, default=4.0, help="target epsilon of the --replay and --spread runs")
+    parser.add_argument("--workers", type=int, default=1, help="--spread runs at a time")
     args = parser.parse_args()
     problem = ("--draws must be at least 2" if args.draws < 2 else "--seed must be at least 0" if args.seed < 0
-               else "--epsilon must be positive" if not args.epsilon > 0 else None)
+               else "--epsilon must be positive" if not args.epsilon > 0 else "--workers must be at least 1"
+               if args.workers < 1 else "choose --replay or --spread, not both" if args.replay and args.spread
+               else None)
     if problem:
         print(f"secagg_noise: error: {problem}.", file=sys.stderr)
         sys.exit(2)
+    if args.spread:
+        write_spread(spread(args.seed, args.epsilon, args.draws, args.workers))
+        return
     if args.replay:
         write_replay(replay(args.seed, args.epsilon))
         return

@@ -201,6 +201,32 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
     assert Checkpoint.load(out).status == FINISHED
 
 
+def test_a_crashed_secure_aggregation_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    """Its checkpoint holds the secagg ledger (Skellam releases) and the round stopped mid-protocol is re-run."""
+    secagg = {"num_rounds": 4, "noise_placement": "secagg", "min_replies": 2}
+    reference, _ = _run(tmp_path / "reference", **secagg)
+    from fedlora.strategies import fedlora_strategy
+    original, calls = fedlora_strategy.secure_sum, []
+
+    def crashing(*args, **kwargs):  # the server dies in round 3's SecAgg+ protocol
+        calls.append(1)
+        if len(calls) == 3:
+            raise Crash()
+        return original(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(fedlora_strategy, "secure_sum", crashing)
+        with pytest.raises(Crash):
+            _run(tmp_path / "crashed", **secagg)
+    resumed, _ = _resume(tmp_path / "crashed", **secagg)
+    assert [r["round"] for r in _rows(tmp_path / "crashed")] == [1, 2, 3, 4]
+    assert resumed.ledger.rounds == reference.ledger.rounds == 4
+    assert resumed.ledger.epsilon == reference.ledger.epsilon
+    assert "secure aggregation" in _rows(tmp_path / "crashed")[-1]["threat_model"]
+    for name, t in reference.state.message.items():
+        torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)
+
+
 def test_an_interrupted_release_with_os_noise_stays_counted(tmp_path):
     out = tmp_path / "run"
     unbudgeted = {"noise-multiplier": 1.0, "target-epsilon": 0.0}

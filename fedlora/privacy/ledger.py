@@ -8,13 +8,13 @@ save and restore it, and every epsilon it holds names its threat model.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 
 from fedlora.privacy.accounting import PrivacyReport, epsilon
-from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, SamplingScheme,
-                                    SketchedRelease, trust_label)
+from fedlora.privacy.events import Phase, Release, SamplingScheme, trust_label
 
-_RELEASES = {cls.__name__: cls for cls in (GaussianRelease, SketchedRelease, NonPrivateRelease)}
+_RELEASES = {cls.__name__: cls for cls in typing.get_args(Release)}  # every kind a checkpoint can hold
 
 
 @dataclass
