@@ -125,6 +125,11 @@ def main() -> None:
                     args.placements.split(",") if args.placements else None, args.min_replies)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}.")
+        if args.min_replies is not None and not any(r["placement"] == "secagg" for r in runs):
+            raise ValueError("--min-replies sets secure aggregation's N_min: it needs secagg runs "
+                             "(--placements secagg).")
+        if args.run_dirs is not None and args.run_dirs.exists() and not args.run_dirs.is_dir():
+            raise ValueError(f"--run-dirs {args.run_dirs} is a file, not a directory.")
     except ValueError as error:
         print(f"privacy_utility: error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
@@ -160,7 +165,10 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
 
     started = time.time()
-    echo = lambda line: print(f"    [{key}] {line}", flush=True)  # noqa: E731
+
+    def echo(line: str) -> None:
+        print(f"    [{key}] {line}", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         out = run_dirs / key.replace("|", "_").replace("=", "-") if run_dirs else Path(tmp) / "run"
         resumed = (out / STATE_FILE).is_file()

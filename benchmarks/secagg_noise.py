@@ -7,7 +7,7 @@ same variance). Each draw's noisy mean update is applied (server SGD, lr 1) and 
     python -m benchmarks.secagg_noise                  # 20 draws of each (about 6 min here)
     python -m benchmarks.secagg_noise --draws 5 --seed 1
     python -m benchmarks.secagg_noise --replay --epsilon 4 --seed 0   # whole runs (about 15 min here)
-    python -m benchmarks.secagg_noise --spread --epsilon 4 --seed 0 --draws 6 --workers 2   # about 25 min here
+    python -m benchmarks.secagg_noise --spread --epsilon 4 --seed 0 --draws 6 --workers 2   # about 20 min here
 Results: benchmarks/results/secagg_noise.{md,json}; --replay: secagg_replay.{md,json}; --spread: secagg_spread.{md,json}. The noiseless round is one in-process run at z = 1e-6; the noisy
 global model is that round's state plus the noise over N, exactly what either placement's aggregation computes.
 """
@@ -119,27 +119,36 @@ def replay(seed: int, epsilon: float) -> dict:
             "noise_sd_over_expected": ratios, "noise_mean_in_sds": means, "summed": [r["replies"] for r in secure]}
 
 
-SPREAD_ARMS = {"z (noise at the server)": 1.0, "z sqrt(N / N_min) (what secagg's sums carry)": 50 / 45}
+def _secagg_variance_factor() -> float:
+    """N / N_min at the quickstart under secure aggregation: how much more variance its sums carry when all reply."""
+    config = load_config(None, ['noise-placement="secagg"'])
+    return config.clients_per_round / config.required_replies()
+
+
+SPREAD_ARMS = ("z (noise at the server)", "z sqrt(N / N_min) (what secagg's sums carry at the default N_min)")
 
 
 def _spread_run(epsilon: float, seed: int, draw: int, variance_factor: float, threads: int) -> list[float]:
     """One whole run of the server placement whose noise is draw ``draw`` (everything else the seed's), its variance
-    times ``variance_factor``; in a worker process."""
+    times ``variance_factor``; in a worker process, which runs several: the patches are undone after each."""
     import math
 
     from fedlora.federation import derive_seed
     from fedlora.mechanisms import Mechanism
 
     torch.set_num_threads(threads)
-    noise_sum = Mechanism.noise_sum
+    server_noise, noise_sum = Protocol.server_noise, Mechanism.noise_sum
     Protocol.server_noise = lambda self, release: torch.Generator().manual_seed(
         derive_seed(self.config.seed, "server-noise", release, "draw", draw))
     Mechanism.noise_sum = lambda self, total, noise, *, scale=1.0: noise_sum(
         self, total, noise, scale=scale * math.sqrt(variance_factor))
     config = load_config(None, ['strategy="gm-ffa-lora"', f"target-epsilon={epsilon}", f"seed={seed}",
                                 'noise-placement="server"'])
-    with tempfile.TemporaryDirectory() as out:
-        return [r["accuracy"] for r in run_inprocess(config, Path(out) / "run")]
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            return [r["accuracy"] for r in run_inprocess(config, Path(out) / "run")]
+    finally:
+        Protocol.server_noise, Mechanism.noise_sum = server_noise, noise_sum
 
 
 def spread(seed: int, epsilon: float, draws: int, workers: int) -> dict:
@@ -149,15 +158,16 @@ def spread(seed: int, epsilon: float, draws: int, workers: int) -> dict:
     import os
 
     threads = max(1, (os.cpu_count() or 1) // workers)
+    factors = dict(zip(SPREAD_ARMS, (1.0, _secagg_variance_factor())))
     runs: dict[str, list] = {arm: [None] * draws for arm in SPREAD_ARMS}  # by draw: the arms share each draw
     with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_spread_run, epsilon, seed, draw, factor, threads): (arm, draw)
-                   for draw in range(draws) for arm, factor in SPREAD_ARMS.items()}
+                   for draw in range(draws) for arm, factor in factors.items()}
         for future in concurrent.futures.as_completed(futures):
             arm, draw = futures[future]
             runs[arm][draw] = future.result()
             print(f"  [{arm}, draw {draw}] final accuracy {runs[arm][draw][-1]:.3f}", flush=True)
-    return {"seed": seed, "epsilon": epsilon, "draws": draws, "runs": runs}
+    return {"seed": seed, "epsilon": epsilon, "draws": draws, "variance_factors": list(factors.values()), "runs": runs}
 
 
 def write_spread(result: dict) -> None:
@@ -173,8 +183,8 @@ def write_spread(result: dict) -> None:
              f"Setting: the quickstart's gm-ffa-lora with noise at the server, seed {result['seed']} (its sampled "
              f"clients, batches and partitions fixed), epsilon {result['epsilon']:g}; {result['draws']} whole runs "
              "per arm; draw k of both arms is the same standardized noise, scaled. The second arm's variance is "
-             "N / N_min = 50 / 45 times the first's: by the replay (secagg_replay.md) it is secure aggregation's "
-             "mechanism at its default N_min = 45, without the protocol.",
+             f"N / N_min = {result['variance_factors'][1]:.4f} times the first's: by the replay (secagg_replay.md) "
+             "it is secure aggregation's mechanism at its default N_min, without the protocol.",
              "", "| noise | final accuracy per draw | mean | sd | rounds 5-10, mean | sd |", "|---|---|---:|---:|---:|---:|"]
     for arm in SPREAD_ARMS:
         values = finals[arm]

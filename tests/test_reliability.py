@@ -202,13 +202,14 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
 
 
 def test_a_crashed_secure_aggregation_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
-    """Its checkpoint holds the secagg ledger (Skellam releases) and the round stopped mid-protocol is re-run."""
+    """Its checkpoint holds the secagg ledger (Skellam releases), and the round whose SecAgg+ protocol the crash
+    stopped (released and counted, nothing summed yet) is run again without being counted twice."""
     secagg = {"num_rounds": 4, "noise_placement": "secagg", "min_replies": 2}
     reference, _ = _run(tmp_path / "reference", **secagg)
     from fedlora.strategies import fedlora_strategy
     original, calls = fedlora_strategy.secure_sum, []
 
-    def crashing(*args, **kwargs):  # the server dies in round 3's SecAgg+ protocol
+    def crashing(*args, **kwargs):  # the server dies as round 3's SecAgg+ protocol starts
         calls.append(1)
         if len(calls) == 3:
             raise Crash()
@@ -218,6 +219,8 @@ def test_a_crashed_secure_aggregation_run_resumes_to_the_uninterrupted_result(tm
         patch.setattr(fedlora_strategy, "secure_sum", crashing)
         with pytest.raises(Crash):
             _run(tmp_path / "crashed", **secagg)
+    cut = Checkpoint.load(tmp_path / "crashed")
+    assert cut.rounds_done == 2 and cut.in_flight
     resumed, _ = _resume(tmp_path / "crashed", **secagg)
     assert [r["round"] for r in _rows(tmp_path / "crashed")] == [1, 2, 3, 4]
     assert resumed.ledger.rounds == reference.ledger.rounds == 4
