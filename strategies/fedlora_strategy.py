@@ -35,6 +35,7 @@ def _mean_telemetry(metrics: list) -> dict[str, float]:
 
 
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
+PARTITION_QUERY_TRIES = 3  # asks to the nodes that have not told their partition before the run gives up
 
 
 class FedLoRAStrategy(Strategy):
@@ -176,12 +177,23 @@ class FedLoRAStrategy(Strategy):
         """Asks every node once which partition it holds. Node ids are random per run; sampling partitions
         (not node positions) makes a seed fix the run, in simulation and across restarts."""
         if self.nodes is None:
-            ask = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in node_ids]
-            replies = [r for r in grid.send_and_receive(ask) if r.has_content()]
+            replies, unanswered, errors = [], list(node_ids), []
+            for attempt in range(PARTITION_QUERY_TRIES):  # a loaded node may answer one query with an error
+                if attempt:
+                    time.sleep(attempt)
+                ask = [Message(content=RecordDict(), message_type=MessageType.QUERY, dst_node_id=n) for n in unanswered]
+                answers = list(grid.send_and_receive(ask))
+                replies += [r for r in answers if r.has_content()]
+                errors = [r.error.reason for r in answers if r.has_error()]
+                answered = {r.metadata.src_node_id for r in replies}
+                unanswered = [n for n in unanswered if n not in answered]
+                if not unanswered:
+                    break
             self.nodes = {int(r.content["metrics"]["partition-id"]): r.metadata.src_node_id for r in replies}
             if sorted(self.nodes) != list(range(self.num_nodes)):
-                raise RuntimeError(f"Nodes must hold partition ids 0..{self.num_nodes - 1} once each; "
-                                   f"they reported {sorted(self.nodes)[:10]}...")
+                raise RuntimeError(f"Nodes must hold partition ids 0..{self.num_nodes - 1} once each; they reported "
+                                   f"{sorted(self.nodes)[:10]}, {len(unanswered)} did not answer in "
+                                   f"{PARTITION_QUERY_TRIES} tries{f' ({errors[0]})' if errors else ''}.")
             if self.config.sketch_secret == "node-file":
                 fingerprint = self._shared_fingerprint(replies)
                 if self.secret_fingerprint is not None and fingerprint != self.secret_fingerprint:

@@ -128,6 +128,29 @@ def test_too_few_replies_retry_the_round_with_new_releases_that_all_count(tmp_pa
     assert strategy.state.produced_by == 4  # every release has its own sketch
 
 
+def _query_failing(times):
+    """A ClientApp whose node of partition 1 answers its first ``times`` partition queries with an error."""
+    failed = []
+
+    def app(message, context):
+        if message.metadata.message_type == "query" and context.node_config["partition-id"] == 1 \
+                and len(failed) < times:
+            failed.append(1)
+            raise RuntimeError("node busy")
+        return client_app(message, context)
+    return app
+
+
+def test_a_node_that_fails_the_partition_query_once_is_asked_again(tmp_path):
+    strategy, _ = _run(tmp_path, _query_failing(1))
+    assert strategy.status == FINISHED and sorted(strategy.nodes) == [0, 1, 2, 3, 4]
+
+
+def test_a_node_that_never_answers_the_partition_query_stops_the_run_in_one_line(tmp_path):
+    with pytest.raises(RuntimeError, match=r"reported \[0, 2, 3, 4\], 1 did not answer in 3 tries \(.*node busy\)"):
+        _run(tmp_path, _query_failing(99))
+
+
 def test_a_run_without_replies_stalls_after_its_retries_and_counts_every_try(tmp_path):
     grid_failures = {1, 2, 3, 4, 5}
     config = {**SMALL, "out-dir": str(tmp_path), "round-retries": 1}
