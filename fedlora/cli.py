@@ -14,6 +14,7 @@ from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
 _BYTES = 4
+_SECAGG_BYTES = 8  # SecAgg+ sends each entry as a masked 64-bit integer (measured: benchmarks/results/secagg_cost.md)
 
 
 class CLIError(ValueError):
@@ -61,16 +62,18 @@ def describe(args: argparse.Namespace) -> dict:
     check_layer_sizes(get_algorithm("sgmv-ffa-lora"), layers, rank=r, sketch_dim=h)
     dense_b = sum(m * r for _, (m, r) in shapes)
     dense_a = sum(r * k for (r, k), _ in shapes)
-    rows = {  # values uploaded per client per LoRA round (the head with them if it trains in the message), and
-        # multiply-adds of the sketch
-        "ffa-lora / gm-ffa-lora (dense B)": (dense_b, 0),
-        "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0),
-        f"sgmm-ffa-lora (R B, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes)),
-        f"sgmv-ffa-lora (R_v vec(B), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes)),
+    rows = {  # values uploaded per client per LoRA round (the head with them if it trains in the message), the
+        # multiply-adds of the sketch, and the values of its masked vector under SecAgg+, where FlexLoRA's clients
+        # send what the server's SVD sums: their products B A per layer (b x b sketched)
+        "ffa-lora / gm-ffa-lora (dense B)": (dense_b, 0, dense_b),
+        "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0, sum(m * k for (_, k), (m, _) in shapes)),
+        f"sgmm-ffa-lora (R B, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes),
+                                        len(shapes) * b * r),
+        f"sgmv-ffa-lora (R_v vec(B), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes),
+                                               len(shapes) * h),
         f"sgmm-flexlora (R B, A R_A, b={b})": (2 * len(shapes) * b * r,
-                                               sum(b * (m + k) * r for (_, k), (m, _) in shapes)),
+                                               sum(b * (m + k) * r for (_, k), (m, _) in shapes), len(shapes) * b * b),
     }
-    rows = {name: (values + with_head, flops) for name, (values, flops) in rows.items()}
     return {
         "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
@@ -78,8 +81,10 @@ def describe(args: argparse.Namespace) -> dict:
         "head": args.head, "head_values": head, "preset_model": getattr(args, "preset_model", None),
         "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for (r, k), (m, _) in shapes}),
         "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
-        "mechanisms": [{"strategy": name, "upload_values": values, "upload_bytes": values * _BYTES,
-                        "sketch_multiply_adds": flops} for name, (values, flops) in rows.items()],
+        "mechanisms": [{"strategy": name, "upload_values": values + with_head,
+                        "upload_bytes": (values + with_head) * _BYTES, "sketch_multiply_adds": flops,
+                        "upload_bytes_secagg_vector": (secure + with_head) * _SECAGG_BYTES}
+                       for name, (values, flops, secure) in rows.items()],
     }
 
 
@@ -95,9 +100,13 @@ def _print_describe(report: dict) -> None:
     print({"message": f"{head}, sent dense in every message: included below",
            "probe": f"{head}, sent alone in the linear-probe rounds; the LoRA rounds below do not send it",
            "frozen": "classifier head: frozen, never sent"}[report["head"]])
-    print(f"\n{'strategy (mechanism)':<42}{'upload/client/round':>22}{'sketch multiply-adds':>24}")
+    print(f"\n{'strategy (mechanism)':<42}{'upload/client/round':>22}{'under SecAgg+':>16}{'sketch multiply-adds':>24}")
     for row in report["mechanisms"]:
-        print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB{row['sketch_multiply_adds']:>24,}")
+        print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB"
+              f"{row['upload_bytes_secagg_vector'] / 1024:>12.1f} KiB{row['sketch_multiply_adds']:>24,}")
+    print("under SecAgg+ (noise-placement = secagg): the masked vector alone, 64-bit integers (FlexLoRA: its products "
+          "B A); the protocol adds two public keys and one encrypted share pair per other client "
+          "(benchmarks/results/secagg_cost.md)")
     if report.get("clients_per_round"):
         n = report["clients_per_round"]
         print(f"\nper round, {n} clients: " + "; ".join(

@@ -22,6 +22,10 @@ def test_describe_reports_real_shapes_and_upload_sizes(capsys):
     assert uploads["sgmv-ffa-lora"]["upload_values"] == 12 * 64 + head  # h = b r
     # the vectorized sketch costs r times the matrix sketch (paper, Section 2)
     assert uploads["sgmv-ffa-lora"]["sketch_multiply_adds"] == 4 * uploads["sgmm-ffa-lora"]["sketch_multiply_adds"]
+    # under SecAgg+ each entry is a 64-bit integer, and FlexLoRA's clients send their products B A (b x b sketched)
+    assert uploads["ffa-lora"]["upload_bytes_secagg_vector"] == 8 * uploads["ffa-lora"]["upload_values"]
+    assert uploads["flexlora"]["upload_bytes_secagg_vector"] == 8 * (12 * 192 * 192 + head)
+    assert uploads["sgmm-flexlora"]["upload_bytes_secagg_vector"] == 8 * (12 * 16 * 16 + head)
     for mode in ("probe", "frozen"):  # the LoRA rounds' messages carry no head
         assert main(["describe", "--model", "vit-tiny", "--sketch-dim", "16", "--head", mode, "--json"]) == 0
         rows = {row["strategy"].split(" ")[0]: row for row in json.loads(capsys.readouterr().out)["mechanisms"]}

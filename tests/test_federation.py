@@ -282,6 +282,21 @@ def test_describe_gives_the_bytes_a_client_sends(tmp_path, capsys, strategy_name
     assert row["bytes_up"] == predicted[strategy_name]
 
 
+def test_describe_gives_the_masked_vector_a_client_sends_under_secure_aggregation(tmp_path, capsys):
+    """Under SecAgg+ the upload is the masked vector describe predicts, plus the protocol's keys and shares."""
+    from fedlora.cli import main
+
+    _, _, config = _run(tmp_path / "run", strategy="sgmm-flexlora", num_rounds=1, target_epsilon=10.0,
+                        noise_placement="secagg", min_replies=2)
+    preset = tmp_path / "preset.toml"
+    preset.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items() if key != "out-dir"))
+    assert main(["describe", "--config", str(preset), "--json"]) == 0
+    vector = next(row["upload_bytes_secagg_vector"] for row in json.loads(capsys.readouterr().out)["mechanisms"]
+                  if row["strategy"].startswith("sgmm-flexlora"))
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert vector < row["bytes_up"] < vector + 2048 * config["clients-per-round"], (vector, row["bytes_up"])
+
+
 @pytest.mark.parametrize("strategy_name, form", [
     ("sgmm-ffa-lora", {}), ("gm-flexlora", {}),
     ("gm-ffa-lora", {"message": "update", "server-optimizer": "momentum"}),  # server state across rounds
