@@ -120,6 +120,8 @@ def main() -> None:
         parts = args.parts.split(",")
         if unknown := [p for p in parts if p not in ("frontier", "cohort")]:
             raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
+        if args.min_replies is not None and args.min_replies < 2:  # 0 would mean the default, stored apart
+            raise ValueError(f"--min-replies is secagg's N_min: at least 2, got {args.min_replies}.")
         runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
                     args.strategies.split(",") if args.strategies else None,
                     args.placements.split(",") if args.placements else None, args.min_replies)
