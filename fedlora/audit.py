@@ -42,7 +42,7 @@ from scipy import optimize, special, stats
 from fedlora.algorithms import LoRAMode
 from fedlora.mechanisms import Mechanism, NoisePlacement, ThreatModel
 from fedlora.privacy.accounting import epsilon as accountant_epsilon
-from fedlora.privacy.events import Phase, SamplingScheme
+from fedlora.privacy.events import Observer, Phase, SamplingScheme, trust_label
 from fedlora.secure_sum import SkellamSecureSum
 from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, side_of
 
@@ -294,7 +294,7 @@ def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), 
     """
     if mechanism.clip_norm is None:
         raise ValueError("An audit needs a clip norm: the neighbouring messages sit at it.")
-    label = mechanism.trust_model
+    label = f"{mechanism.trust_model}; one release, its sample known (no amplification)"
     # Noise at the server: whoever sees the noisy sum and knows the round's other messages (DP fixes everyone but
     # the target) sees the target's constrained message plus the server's noise, the release audited here.
     mechanism = replace(mechanism, placement=NoisePlacement.CLIENT)
@@ -389,11 +389,14 @@ def audit_secure_sum(mechanism: Mechanism, *, clients_per_round: int, min_replie
     scores = {h: np.asarray(s) for h, s in observed.items()}
     release = codec.message_release() if alone else codec.release()
     sampling = SamplingScheme("fixed", clients_per_round, clients_per_round=clients_per_round)
-    accountant = accountant_epsilon([Phase("audit", (release,), sampling, 1)], delta=delta,
-                                    threat_model=mechanism.threat_model.value, placement="secagg").epsilon
+    observer = Observer.ONE_REPLY if alone else Observer.SERVER  # who sees one reply, or the sum, knowing whose
+    accountant = accountant_epsilon([Phase("audit", (codec.release(),), sampling, 1)], delta=delta,
+                                    threat_model=mechanism.threat_model.value, placement="secagg",
+                                    observer=observer).epsilon
     view = "SecAgg+ broken: one reply alone" if alone else f"SecAgg+: sum of N_min = {min_replies} of {clients_per_round}"
     return summarize(f"{mechanism_name(mechanism)}, {view}", "mechanism", scores[1], scores[0],
-                     threat_model=mechanism.trust_model, attack="likelihood ratio, R known, others' messages known",
+                     threat_model=trust_label(mechanism.threat_model.value, "secagg", observer),
+                     attack="likelihood ratio, R known, others' messages known",
                      empirical_epsilon=epsilon_lower_bound(scores[1], scores[0], delta=delta, confidence=confidence,
                                                            seed=seed),
                      empirical_kind=f"lower bound at {confidence:.0%} confidence, Clopper-Pearson",

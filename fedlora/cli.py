@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -121,75 +122,66 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
     config = load_config(args.config)
     replaced = (("strategy", "target_epsilon", "noise_multiplier", "delta", "num_clients", "clients_per_round",
                  "sampling_rate", "rounds", "rank", "sketch_dim", "model", "threat_model", "noise_placement",
-                 "clip_count_stddev", "sampling") if command == "privacy" else
+                 "clip_count_stddev", "sampling", "head", "target_observer") if command == "privacy" else
                 ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes", "head"))
     defaults = vars(build_parser().parse_args([command]))
     if given := [key for key in replaced if getattr(args, key) != defaults[key]]:
         raise CLIError(f"--config takes every value from the preset; drop --{given[0].replace('_', '-')}.")
     if command == "privacy":
-        if config.head == "probe":
-            raise CLIError("fedlora privacy --config does not split a linear-probe phase: `fedlora run` prints that "
-                           "run's accounting.")
-        budget = config.budget()
-        args.strategy, args.delta, args.rank = config.strategy, config.delta, config.rank
-        args.target_epsilon = budget if not config.noise_multiplier else None
-        args.noise_multiplier = config.noise_multiplier or None
-        args.num_clients, args.clients_per_round, args.rounds = (config.num_clients, config.clients_per_round,
-                                                                 config.num_rounds)
-        args.sampling, args.sampling_rate = config.sampling, None
-        args.sketch_dim = config.effective_sketch_dim() or None
-        args.threat_model, args.noise_placement = config.threat_model, config.noise_placement
-        args.clip_count_stddev = config.count_stddev() if config.clip_quantile else None
-        args.model = model_spec(config.model).random_twin or config.model
-    else:
-        args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
-        args.preset_model = config.model
-        args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.num_classes, \
-            config.head
-        algorithm = get_algorithm(config.strategy)
-        if algorithm.sketched:
-            b = config.effective_sketch_dim()
-            args.sketch_dim, args.vector_sketch_dim = (b, None) if algorithm.mechanism == "sgmm" else (b // config.rank, b)
-        args.clients_per_round = config.clients_per_round
+        return
+    args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
+    args.preset_model = config.model
+    args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.num_classes, \
+        config.head
+    algorithm = get_algorithm(config.strategy)
+    if algorithm.sketched:
+        b = config.effective_sketch_dim()
+        args.sketch_dim, args.vector_sketch_dim = (b, None) if algorithm.mechanism == "sgmm" else (b // config.rank, b)
+    args.clients_per_round = config.clients_per_round
 
 
-def _secagg_preset(path: str) -> bool:
-    from fedlora.config import load_config
 
-    return load_config(path).noise_placement == "secagg"
-
-
-def _secure_privacy(args: argparse.Namespace) -> None:
-    """`fedlora privacy --config` of a secure-aggregation preset: its accounting depends on the message's size and
-    min-replies, so it is the run's own (noise_for), at the preset's shapes."""
+def _config_privacy(args: argparse.Namespace) -> dict:
+    """`fedlora privacy --config`: the run's own accounting (``noise_for``, what `fedlora run` calibrates and its
+    ledger spends), at the preset's shapes, for every observer its noise placement tells apart."""
     from dataclasses import replace
 
     from fedlora.config import load_config
-    from fedlora.experiment import noise_for, one_reply_report
+    from fedlora.experiment import noise_for
+    from fedlora.privacy.events import OBSERVER_LABELS, Observer
 
-    if not args.config:
-        raise CLIError("--noise-placement secagg is accounted from a run's message size and min-replies: give "
-                       "--config FILE with noise-placement = \"secagg\".")
     _from_config(args, "privacy")  # refuses flags the preset would override
-    config = load_config(args.config)
+    config = load_config(args.config, args.set)
     config = replace(config, model=model_spec(config.model).random_twin or config.model)  # shapes only, no hub
     plan = noise_for(config)
-    alone = one_reply_report(config, plan)
-    result = {"strategy": config.strategy, "noise_multiplier": plan.noise_multiplier, "epsilon": plan.planned.epsilon,
-              "delta": config.delta, "threat_model": plan.planned.threat_model, "method": plan.planned.method,
-              "rounds": config.num_rounds, "clients_per_round": config.clients_per_round,
-              "num_clients": config.num_clients, "min_replies": config.required_replies(),
-              "one_reply_epsilon": alone.epsilon, "summary": plan.planned.describe()}
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
-    print(f"{config.strategy}: {config.num_rounds} rounds, {config.clients_per_round} of {config.num_clients} clients "
-          f"per round, secure aggregation of at least {config.required_replies()} replies")
-    print(f"noise multiplier z = {plan.noise_multiplier:.4g} in the sum; each client adds its share, z / "
-          f"sqrt({config.required_replies()}) = {plan.noise_multiplier / config.required_replies() ** 0.5:.4g}")
-    print(plan.planned.describe())
-    print(f"one client's reply alone: epsilon = {alone.epsilon:.4g} ({config.threat_model}, only its own noise share; "
-          "against a server that breaks SecAgg+ or sums fewer than min-replies replies)")
+    if plan.planned is None:
+        raise CLIError(f"{config.strategy} adds no noise: it is not private (epsilon = inf).")
+    sampled = (f"{config.clients_per_round} of {config.num_clients} clients per round" if config.sampling == "fixed"
+               else f"each of {config.num_clients} clients with rate {config.clients_per_round / config.num_clients:.4g}")
+    setting = f"{config.strategy}: {config.num_rounds} rounds, {sampled} ({config.sampling} sampling), head {config.head}"
+    if config.noise_placement == "secagg":
+        n_min = config.required_replies()
+        setting += (f", secure aggregation of at least {n_min} replies (each client adds z / sqrt({n_min}) = "
+                    f"{plan.noise_multiplier / n_min ** 0.5:.4g})")
+    how = (f"calibrated for target epsilon {config.target_epsilon:g} {OBSERVER_LABELS[Observer(config.target_observer)]}"
+           if not config.noise_multiplier else "given")
+    return _privacy_result(plan.reports, noise_multiplier=plan.noise_multiplier, target_observer=config.target_observer,
+                           setting=setting, how=how, strategy=config.strategy, delta=config.delta,
+                           noise_placement=config.noise_placement, rounds=config.num_rounds, clients_per_round=config.clients_per_round,
+                           num_clients=config.num_clients, min_replies=config.required_replies()
+                           if config.noise_placement == "secagg" else None,
+                           probe_noise_multiplier=plan.probe_noise_multiplier if config.linear_probe_rounds() else None)
+
+
+def _privacy_result(reports: dict, *, noise_multiplier: float, target_observer: str, setting: str, how: str,
+                    **fields) -> dict:
+    """`fedlora privacy`'s answer: the target observer's epsilon, and every observer's with its label."""
+    target = reports[target_observer]
+    return {**fields, "noise_multiplier": noise_multiplier, "target_observer": target_observer,
+            "epsilon": target.epsilon, "threat_model": target.threat_model, "method": target.method,
+            "rdp_order": target.order, "summary": target.describe(), "setting": setting, "how": how,
+            "observers": {o: {"epsilon": r.epsilon, "threat_model": r.threat_model, "method": r.method}
+                          for o, r in reports.items()}}
 
 
 def _validate_privacy(args: argparse.Namespace) -> None:
@@ -222,12 +214,16 @@ def _validate_privacy(args: argparse.Namespace) -> None:
         if args.threat_model == "secret-sketch" and args.noise_placement == "server":
             raise CLIError("--noise-placement server needs --threat-model known-sketch: the secret-sketch bound is "
                            "derived for noise on every client's message.")
+    if args.target_observer == "server" and args.noise_placement == "server":
+        raise CLIError("--target-observer server needs --noise-placement client: with noise at the server it sees "
+                       "every message before the noise, and no epsilon holds against it.")
     if args.clip_count_stddev is not None and not args.clip_count_stddev > 0:
         raise CLIError(f"--clip-count-stddev must be positive, got {args.clip_count_stddev:g}.")
 
 
 def privacy(args: argparse.Namespace) -> dict:
-    from fedlora.privacy import GaussianRelease, Phase, SamplingScheme, calibrate, epsilon
+    from fedlora.privacy import GaussianRelease, Phase, SamplingScheme, calibrate, epsilon, observers
+    from fedlora.privacy.events import OBSERVER_LABELS, Observer
     from fedlora.privacy.paper import round_release
 
     analysis = args.threat_model
@@ -239,40 +235,68 @@ def privacy(args: argparse.Namespace) -> dict:
 
     def phases(z: float):
         release = round_release(args.strategy, z, analysis, rank=args.rank, sketch_dim=args.sketch_dim,
-                                clients_per_round=clients)
+                                clients_per_round=clients, head=args.head)
         if args.clip_count_stddev:  # adaptive clipping's count: a Gaussian of multiplier 2 sigma_b (fedlora.clipping)
             release += (GaussianRelease(2 * args.clip_count_stddev),)
         return [Phase("lora", release, sampling, args.rounds)]
 
-    where = {"threat_model": analysis, "placement": args.noise_placement}
+    where = {"delta": args.delta, "threat_model": analysis, "placement": args.noise_placement}
     if args.target_epsilon is not None:
-        calibration = calibrate(phases, target_epsilon=args.target_epsilon, delta=args.delta, **where)
-        z, report = calibration.noise_multiplier, calibration.report
+        z = calibrate(phases, target_epsilon=args.target_epsilon, observer=args.target_observer,
+                      **where).noise_multiplier
+        how = (f"calibrated for target epsilon {args.target_epsilon:g} "
+               f"{OBSERVER_LABELS[Observer(args.target_observer)]}")
     else:
-        z = args.noise_multiplier
-        report = epsilon(phases(z), delta=args.delta, **where)
-    return {"strategy": args.strategy, "epsilon": report.epsilon, "delta": args.delta, "noise_multiplier": z,
-            "target_epsilon": args.target_epsilon, "threat_model": analysis, "noise_placement": args.noise_placement,
-            "clip_count_stddev": args.clip_count_stddev, "sampling": args.sampling,
-            "sampling_rate": sampling.q, "num_clients": args.num_clients,
-            "clients_per_round": clients if args.sampling == "fixed" else None, "rounds": args.rounds,
-            "rank": args.rank, "sketch_dim": args.sketch_dim, "method": report.method, "rdp_order": report.order,
-            "summary": report.describe()}
+        z, how = args.noise_multiplier, "given"
+    reports = {o.value: epsilon(phases(z), observer=o, **where) for o in observers(args.noise_placement)}
+    sampled = (f"{clients} of {args.num_clients} clients per round" if args.sampling == "fixed"
+               else f"each of {args.num_clients} clients with rate {sampling.q:.4g}")
+    sketch = f", sketch dimension {args.sketch_dim}" if args.sketch_dim else ""
+    count = (f"; adaptive clipping's count noise {args.clip_count_stddev:g}, accounted with it"
+             if args.clip_count_stddev else "")
+    setting = (f"{args.strategy}: {args.rounds} rounds, {sampled} ({args.sampling} sampling), rank {args.rank}"
+               f"{sketch}, head {args.head}")
+    return _privacy_result(reports, noise_multiplier=z, target_observer=args.target_observer, setting=setting,
+                           how=how + count, strategy=args.strategy, delta=args.delta,
+                           target_epsilon=args.target_epsilon, noise_placement=args.noise_placement,
+                           clip_count_stddev=args.clip_count_stddev, sampling=args.sampling, sampling_rate=sampling.q,
+                           num_clients=args.num_clients, clients_per_round=clients if args.sampling == "fixed" else None,
+                           rounds=args.rounds, rank=args.rank, sketch_dim=args.sketch_dim, head=args.head)
 
 
 def _print_privacy(result: dict) -> None:
-    sampled = (f"{result['clients_per_round']} of {result['num_clients']} clients per round"
-               if result["sampling"] == "fixed" else f"each of {result['num_clients']} clients with rate "
-                                                     f"{result['sampling_rate']:.4g}")
-    sketch = f", sketch dimension {result['sketch_dim']}" if result["sketch_dim"] else ""
-    print(f"{result['strategy']}: {result['rounds']} rounds, {sampled} ({result['sampling']} sampling), "
-          f"rank {result['rank']}{sketch}")
-    how = (f"calibrated for target epsilon {result['target_epsilon']:g}" if result["target_epsilon"] is not None
-           else "given")
-    count = (f"; adaptive clipping's count noise {result['clip_count_stddev']:g}, accounted with it"
-             if result["clip_count_stddev"] else "")
-    print(f"noise multiplier z = {result['noise_multiplier']:.4g} ({how}){count}")
-    print(result["summary"])
+    print(result["setting"])
+    print(f"noise multiplier z = {result['noise_multiplier']:.4g} ({result['how']})")
+    if result.get("probe_noise_multiplier"):
+        print(f"linear-probe rounds: noise multiplier {result['probe_noise_multiplier']:.4g}")
+    print(f"threat model: {result['threat_model'].split('; ')[0]}")
+    for line in _observer_lines(result["observers"], result["delta"], result["target_observer"]):
+        print(f"  {line}")
+
+
+def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[str]:
+    """One line per observer: whom the epsilon holds against, the number and its method (or why there is none)."""
+    from fedlora.privacy.events import OBSERVER_LABELS, Observer
+
+    lines = []
+    for observer, report in reports.items():
+        report = report if isinstance(report, dict) else {"epsilon": report.epsilon, "method": report.method,
+                                                          "threat_model": report.threat_model}
+        target = ", the target" if observer == target_observer else ""
+        why = _why_none(observer, report)
+        value = (f"epsilon = {report['epsilon']:.4g} at delta = {delta:g} ({report['method']}{target})"
+                 if math.isfinite(report["epsilon"]) else "epsilon = inf (not private)" if why == "no noise"
+                 else f"none ({why})")
+        lines.append(f"{OBSERVER_LABELS[Observer(observer)]}: {value}")
+    return lines
+
+
+def _why_none(observer: str, report: dict) -> str:
+    if "server derives R" in report["threat_model"]:
+        return "the server derives the secret sketch"
+    if "noise at the server" in report["threat_model"] and observer == "server":
+        return "the server sees every message before it adds the noise"
+    return "no noise"
 
 
 def _print_paper_table(rows) -> None:
@@ -304,7 +328,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     from pathlib import Path
 
     from fedlora.checkpoint import STATE_FILE
-    from fedlora.experiment import check_before_start, noise_for, one_reply_report, sampling_of
+    from fedlora.experiment import check_before_start, noise_for, sampling_of
     from fedlora.federation import Protocol
 
     check_before_start(config)
@@ -321,11 +345,12 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
         print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
     print(f"  mechanism: {protocol.describe()}")
     if plan.planned is not None:
-        print(f"  privacy: {plan.planned.describe()} after {config.num_rounds} rounds")
-        if (alone := one_reply_report(config, plan)) is not None:
-            print(f"  one client's reply alone: epsilon = {alone.epsilon:.4g} ({config.threat_model}, only its own noise "
-                  f"share, z / sqrt({config.required_replies()})), what a server that breaks SecAgg+ or sums fewer "
-                  "replies could learn")
+        print(f"  privacy after {config.num_rounds} rounds ({plan.planned.threat_model.split('; ')[0]}):")
+        for line in _observer_lines(plan.reports, config.delta, config.target_observer):
+            print(f"    {line}")
+        if config.noise_source == "seeded":
+            print('  noise: seeded from the run seed (a reproducible simulation: whoever holds the seed removes it; '
+                  'set noise-source = "os" for anything released)')
         budget = config.budget()
         if budget is not None and plan.planned.epsilon > budget:
             if plan.new_ledger(config).would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)],
@@ -628,13 +653,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--noise-placement", default="client", choices=["client", "server", "secagg"],
                    help="noise on every client's message (default, the paper's), on their sum at the server, or in "
                         "shares under secure aggregation (with --config)")
+    p.add_argument("--head", default="message", choices=["message", "frozen"],
+                   help="the classifier head: trained inside the message (default, as runs do; under secret-sketch "
+                        "it adds a dense Gaussian release) or frozen (the paper's accounting of the adapters alone)")
+    p.add_argument("--target-observer", default="model", choices=["model", "server"],
+                   help="whose epsilon --target-epsilon calibrates: observers of the model, who do not know the sample "
+                        "(amplified; default), or the server, which draws it (no amplification)")
     p.add_argument("--clip-count-stddev", type=_float_arg, help="adaptive clipping: the noise on the clip count, "
                                                                 "composed with the update's")
     p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
     p.add_argument("--paper-table", action="store_true", help="the paper's noise table beside ours")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--config", help="a TOML preset: its strategy, budget, cohort, rounds, sketch, threat model and "
-                                    "placement replace the flags")
+    p.add_argument("--config", help="a TOML preset: the run's own accounting (what `fedlora run` calibrates and "
+                                    "spends) replaces the flags")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="with --config: override a key of the preset, as `fedlora run --set` does")
     return parser
 
 
@@ -675,15 +708,19 @@ def main(argv: list[str] | None = None) -> int:
             from fedlora.privacy.paper import paper_table
             rows = paper_table()
             print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
-        elif args.noise_placement == "secagg" or (args.config and _secagg_preset(args.config)):
-            _secure_privacy(args)
         else:
             if args.config:
-                _from_config(args, "privacy")
-            if args.target_epsilon is None and args.noise_multiplier is None:
-                raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
-            _validate_privacy(args)
-            result = privacy(args)
+                result = _config_privacy(args)
+            else:
+                if args.set:
+                    raise CLIError("--set overrides a preset's key: give --config too.")
+                if args.noise_placement == "secagg":
+                    raise CLIError("--noise-placement secagg is accounted from a run's message size and min-replies: "
+                                   "give --config FILE with noise-placement = \"secagg\".")
+                if args.target_epsilon is None and args.noise_multiplier is None:
+                    raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
+                _validate_privacy(args)
+                result = privacy(args)
             print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
         sys.stdout.flush()  # here, where a reader that left is caught
         return 0

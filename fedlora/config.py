@@ -38,6 +38,8 @@ DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "tra
 AUDIT_PRESET = {"eval-every": 10}
 HEAD_MODES = ("message", "probe", "frozen")
 PLACEMENTS = ("client", "server", "secagg")
+OBSERVERS = ("model", "server")  # target-observer; under secure aggregation "server" is one that follows SecAgg+
+MIN_SECURE_REPLIES = 3  # Flower folds mask seeds to 32 bits: at N_min = 2 the one pairwise seed can be brute-forced
 MESSAGE_FORMS = ("adapter", "update")
 SERVER_OPTIMIZERS = ("sgd", "momentum", "adam")
 
@@ -81,13 +83,21 @@ class RunConfig:
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
-    noise_placement: str = _opt("server", "where the noise is added: by each client to its own message (the paper; "
-                                          "the guarantee holds against the server too), or by the server to the sum "
-                                          "of the round's messages (central DP: the guarantee holds against everyone "
-                                          "who sees the model, not against the server), or by the clients in shares "
-                                          "of a sum the server only sees through secure aggregation (SecAgg+: the "
-                                          "guarantee holds against a server that follows the protocol)",
+    noise_placement: str = _opt("server", "where the noise is added: by each client to its own message (the paper; the "
+                                          "server sees each noisy message and knows whose it is, so against it the "
+                                          "epsilon is the known-sample one, without amplification), or by the server "
+                                          "to the sum of the round's messages (central DP: the guarantee holds against "
+                                          "everyone who sees the model, not against the server), or by the clients in "
+                                          "shares of a sum the server only sees through secure aggregation (SecAgg+: "
+                                          "against a server that follows the protocol, the known-sample epsilon of the "
+                                          "sum). Against observers of the model, who do not know the sample, every "
+                                          "placement's epsilon is amplified by sampling",
                                  choices=PLACEMENTS)
+    target_observer: str = _opt("model", "whose epsilon target-epsilon calibrates (and the budget limits): observers of "
+                                         "the model, who do not know which clients took part (amplified by sampling), "
+                                         "or the server, which draws the sample (no amplification; not with noise at "
+                                         "the server, which sees every message before its noise). Both are reported",
+                                choices=OBSERVERS)
     message: str = _opt("update", "what a client sends: its whole local adapter (the paper), or its update, the "
                                    "change from the global adapter it started from (DP-FedAvg), which the server "
                                    "applies with server-optimizer", choices=MESSAGE_FORMS)
@@ -104,9 +114,10 @@ class RunConfig:
     clip_count_stddev: float = _opt(0.0, "adaptive clipping: the noise on the count of clients under the clip norm "
                                          "(0: clients-per-round / 20, Andrew et al.'s default); accounted, and the "
                                          "update's noise is raised to pay for it", low=0.0)
-    sketch_secret: str = _opt("run-seed", "secret-sketch: the sketch seed derived from the run seed (simulation: the "
-                                          "server knows it, and evaluates), or read by every SuperNode from its "
-                                          "sketch-secret-file (deployment: the server never sees it)",
+    sketch_secret: str = _opt("run-seed", "secret-sketch: the sketch seed derived from the run seed (simulation only: the "
+                                          "server knows it, and evaluates; every epsilon says so, and the one against "
+                                          "the server is inf), or read by every SuperNode from its sketch-secret-file "
+                                          "(deployment: the server never sees it)",
                               choices=("run-seed", "node-file"))
     head: str = _opt("message", "classifier head: trained inside the private message; trained first in a "
                                 "private linear-probe phase, then frozen; or frozen at its seeded init",
@@ -125,15 +136,17 @@ class RunConfig:
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
                                 "clients-per-round, rounded up; under secure aggregation, where it is N_min, the "
-                                "fewest replies a sum is released with: 90% of clients-per-round, at least 2)",
+                                "fewest replies a sum is released with: 90% of clients-per-round, at least 3)",
                             low=0)
     round_retries: int = _opt(2, "retries of a round with too few valid replies before the run stops (every try is "
                                  "a release and counts in epsilon)", low=0)
     reply_timeout: float = _opt(600.0, "seconds a round waits for its clients' replies", low=0.0, low_open=True)
     eval_every: int = _opt(1, "evaluate the global model every this many rounds", low=1)
     seed: int = _opt(0, "seed of the model init, data, sampling, sketches and (simulation) noise", low=0)
-    noise_source: str = _opt("seeded", "client noise: seeded from the run seed (reproducible simulations) or the "
-                                       "OS's secure randomness (deployments)", choices=("seeded", "os"))
+    noise_source: str = _opt("seeded", "the noise: seeded from the run seed (reproducible simulations only: anyone with "
+                                       "the seed removes it, so every epsilon says so, and a run outside a simulation "
+                                       "refuses it) or the OS's secure randomness (anything released)",
+                             choices=("seeded", "os"))
     client_cpus: int = _opt(1, "CPUs per simulated client (Ray)", low=1)
     client_gpus: float = _opt(0.0, "GPU fraction per simulated client (Ray)", low=0.0, high=1.0)
     simulation_nodes: int = _opt(0, "simulation: Flower nodes that run the clients (0: one per client, each sampled "
@@ -247,6 +260,10 @@ class RunConfig:
                                 'noise-placement = "client" for secret-sketch).')
         if self.noise_placement == "secagg":
             problems += self._secagg_problems(algorithm)
+        if self.target_observer == "server" and self.noise_placement == "server" and algorithm.private:
+            problems.append('target-observer = "server" needs the noise away from the server (noise-placement = '
+                            '"client" or "secagg"): with noise at the server it sees every message before the noise, '
+                            "and no epsilon holds against it.")
         if self.message == "update":
             if algorithm.family is LoRAMode.FLEX:
                 problems.append('message = "update" needs an FFA strategy: FlexLoRA aggregates the product B A of '
@@ -282,16 +299,31 @@ class RunConfig:
             problems.append('noise-placement = "secagg" needs sampling = "fixed": with Poisson sampling the number '
                             "of noise shares in the sum changes with who takes part, which the accountant does not "
                             "cover.")
-        if self.required_replies() < 2:
-            problems.append(f"noise-placement = \"secagg\" needs min-replies >= 2 (it is {self.required_replies()}): "
-                            "SecAgg+ cannot hide one reply in a sum of one, and each reply's noise share is 1 / "
-                            "min-replies of the sum's.")
+        if self.required_replies() < MIN_SECURE_REPLIES:
+            problems.append(f"noise-placement = \"secagg\" needs min-replies >= {MIN_SECURE_REPLIES} (it is "
+                            f"{self.required_replies()}; clients-per-round >= {MIN_SECURE_REPLIES}): Flower's SecAgg+ "
+                            "folds each mask seed to 32 bits, so in a sum of 2 the server can brute-force the one "
+                            "pairwise seed and hold each reply alone.")
         if self.clip_quantile:
             problems.append('noise-placement = "secagg" does not support adaptive clipping (clip-quantile) yet: the '
                             "clip count would need its own secure sum.")
         if self.simulation_nodes:
             problems.append('noise-placement = "secagg" needs one Flower node per client (simulation-nodes = 0): '
                             "every client is its own party in SecAgg+.")
+        return problems
+
+    def outside_simulation_problems(self) -> list[str]:
+        """What a run that no simulation engine runs (a deployment, `flwr run .` on real SuperNodes) must not do:
+        take its noise or its secret sketch from the run seed, which the server holds."""
+        problems = []
+        algorithm = get_algorithm(self.strategy)
+        if self.noise_source == "seeded" and algorithm.private:
+            problems.append('noise-source = "seeded" derives every noise draw from the run seed, so anyone who holds '
+                            'it removes the noise: outside a simulation set noise-source = "os" (for a simulation '
+                            "federation of `flwr run .`, set simulation = true).")
+        if self.threat_model == "secret-sketch" and algorithm.sketched and self.sketch_secret == "run-seed":
+            problems.append('sketch-secret = "run-seed" lets the server derive the secret sketch: outside a simulation '
+                            'set sketch-secret = "node-file" (each SuperNode reads it from its sketch-secret-file).')
         return problems
 
     def count_stddev(self) -> float:
@@ -304,11 +336,11 @@ class RunConfig:
 
     def required_replies(self) -> int:
         """Valid replies a round needs to be aggregated: min-replies, or half of N rounded up; under secure
-        aggregation, where it is N_min, 90% of N rounded down and at least 2 (README, "Secure aggregation")."""
+        aggregation, where it is N_min, 90% of N rounded down and at least 3 (README, "Secure aggregation")."""
         if self.min_replies:
             return self.min_replies
         if self.noise_placement == "secagg":  # each reply carries 1 / N_min of the noise: a full sum N / N_min of it
-            return min(max(int(0.9 * self.clients_per_round), 2), self.clients_per_round)
+            return min(max(int(0.9 * self.clients_per_round), MIN_SECURE_REPLIES), self.clients_per_round)
         return -(-self.clients_per_round // 2)
 
     def budget(self) -> float | None:

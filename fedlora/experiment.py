@@ -19,14 +19,20 @@ from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
-from fedlora.privacy.events import Phase, SkellamRelease
-from fedlora.secure_sum import one_reply
+from fedlora.privacy.events import OBSERVER_LABELS, Observer, Phase, observers
 from fedlora.training import evaluate, select_device
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
     if config.sampling == "fixed":
         return SamplingScheme("fixed", config.num_clients, clients_per_round=config.clients_per_round)
     return SamplingScheme("poisson", config.num_clients, rate=config.clients_per_round / config.num_clients)
+
+
+def labels_of(config: RunConfig) -> dict:
+    """What every epsilon of a run says besides its threat model and placement: seeded noise (a simulation), a
+    secret sketch the server derives."""
+    return {"seeded": config.noise_source == "seeded",
+            "server_derives_sketch": config.threat_model == "secret-sketch" and config.sketch_secret == "run-seed"}
 
 
 @dataclass(frozen=True)
@@ -36,13 +42,20 @@ class NoisePlan:
     noise_multiplier: float  # LoRA rounds
     probe_noise_multiplier: float  # linear-probe rounds (head = probe)
     releases: dict  # phase -> one round's release
-    planned: PrivacyReport | None  # the guarantee after all rounds; None if not private
+    reports: dict  # observer -> the guarantee after all rounds ({} if not private)
+    target_observer: str = "model"  # whose epsilon target-epsilon calibrates
+
+    @property
+    def planned(self) -> PrivacyReport | None:
+        """The guarantee against the target observer after all rounds; None if not private."""
+        return self.reports.get(self.target_observer)
 
     def new_ledger(self, config: RunConfig) -> PrivacyLedger | None:
         if self.planned is None:
             return None
         return PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None,
-                             placement=config.noise_placement)
+                             placement=config.noise_placement, target_observer=config.target_observer,
+                             **labels_of(config))
 
 
 def noise_for(config: RunConfig) -> NoisePlan:
@@ -54,7 +67,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
     """
     protocol = Protocol(config, 1.0, 1.0)
     if not protocol.algorithm.private:
-        return NoisePlan(0.0, 0.0, {}, None)
+        return NoisePlan(0.0, 0.0, {}, {})
     model = protocol.build_model()
     sampling = sampling_of(config)
     probe_rounds = config.linear_probe_rounds()
@@ -75,38 +88,25 @@ def noise_for(config: RunConfig) -> NoisePlan:
         probe = [Phase(PROBE, probe_release(z_probe), sampling, probe_rounds)] if probe_rounds else []
         return [*probe, Phase(LORA, lora_release(z_lora), sampling, config.num_rounds - probe_rounds)]
 
-    threat, placement = config.threat_model, config.noise_placement
+    where = {"delta": config.delta, "threat_model": config.threat_model, "placement": config.noise_placement,
+             **labels_of(config)}
+    target = {**where, "observer": config.target_observer}
     if count and config.target_epsilon:
-        alone = epsilon([Phase(LORA, count, sampling, config.num_rounds - probe_rounds)], delta=config.delta,
-                        threat_model=threat, placement=placement).epsilon
+        alone = epsilon([Phase(LORA, count, sampling, config.num_rounds - probe_rounds)], **target).epsilon
         if alone >= config.target_epsilon:
             raise ValueError(f"The clip count's noise alone (clip-count-stddev {config.count_stddev():g}) spends "
                              f"epsilon {alone:.3g} of the target {config.target_epsilon:g}: raise clip-count-stddev.")
     if config.noise_multiplier == 0:  # calibrated to spend target-epsilon in num-rounds
         z_probe = calibrate(lambda z: phases(z, 1.0)[:1], target_epsilon=config.probe_budget * config.target_epsilon,
-                            delta=config.delta, threat_model=threat,
-                            placement=placement).noise_multiplier if probe_rounds else 0.0
-        z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon, delta=config.delta,
-                           threat_model=threat, placement=placement).noise_multiplier
+                            **target).noise_multiplier if probe_rounds else 0.0
+        z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon,
+                           **target).noise_multiplier
     else:
         z_probe = z_lora = config.noise_multiplier
-    planned = epsilon(phases(z_probe, z_lora), delta=config.delta, threat_model=threat, placement=placement)
-    return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, planned)
-
-
-def one_reply_report(config: RunConfig, plan: NoisePlan) -> PrivacyReport | None:
-    """Under secure aggregation: the epsilon of one client's reply seen alone (its noise share is z / sqrt(N_min)),
-    what a server that breaks SecAgg+, or sums fewer than N_min replies, could learn. None for other placements."""
-    if config.noise_placement != "secagg" or plan.planned is None:
-        return None
-    def alone(release):
-        return tuple(one_reply(part, config.required_replies()) if isinstance(part, SkellamRelease) else part
-                     for part in release)
-
-    phases = [Phase(name, alone(plan.releases[name]), sampling_of(config), rounds)
-              for name, rounds in ((PROBE, config.linear_probe_rounds()),
-                                   (LORA, config.num_rounds - config.linear_probe_rounds())) if rounds]
-    return epsilon(phases, delta=config.delta, threat_model=config.threat_model, placement="secagg")
+    planned = phases(z_probe, z_lora)
+    reports = {o.value: epsilon(planned, **where, observer=o) for o in observers(config.noise_placement)}
+    return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, reports,
+                     config.target_observer)
 
 
 class RunRecorder:
@@ -145,11 +145,14 @@ class RunRecorder:
     def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
         due = self.can_reconstruct and (round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds)
         accuracy, loss = self.evaluate(state) if due else (math.nan, math.nan)
-        report = ledger.report() if ledger is not None else None
+        reports = ledger.reports() if ledger is not None else {}
+        report = reports.get(ledger.target_observer) if ledger is not None else None
         row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": accuracy, "loss": loss,
                "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
                "noise_multiplier": self.protocol.noise_multiplier,
                "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
+               "observer": report.observer if report else None,
+               "epsilon_by_observer": {o: r.epsilon for o, r in reports.items()},
                "clip_norm": info.get("clip_norm", self.protocol.mechanism.clip_norm),
                "releases": ledger.rounds if ledger is not None else info.get("release", round_),
                "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
@@ -189,8 +192,9 @@ class RunRecorder:
             self.echo(f"The server does not hold the sketch secret: reconstruct the adapter on a node with "
                       f"`fedlora reconstruct {self.out_dir} --sketch-secret-file PATH`.")
         epsilon = self.rows[-1]["epsilon"] if self.rows else 0.0
-        privacy = (f"{self.protocol.mechanism.trust_model}, z = {self.protocol.noise_multiplier:.3g}, "
-                   f"epsilon = {epsilon:.3g}" if self.protocol.algorithm.private else "not private")
+        label = self.rows[-1]["threat_model"] if self.rows else self.protocol.mechanism.trust_model
+        privacy = (f"{label}, z = {self.protocol.noise_multiplier:.3g}, epsilon = {epsilon:.3g}"
+                   if self.protocol.algorithm.private else "not private")
         plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
                       chance=1 / self.config.num_classes)
 
@@ -226,10 +230,14 @@ def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:
 
 
 def format_progress(row: dict, config: RunConfig) -> str:
-    """One progress line: round, accuracy, epsilon spent (with its threat model), seconds."""
+    """One progress line: round, accuracy, epsilon spent (with its threat model and observer, then the other
+    observers' where one holds), seconds."""
     measured = row["accuracy"] is not None and not math.isnan(row["accuracy"])
     accuracy = f"{row['accuracy']:6.3f}" if measured else "     -"
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
+    eps += "".join(f", {value:.3f} {OBSERVER_LABELS[Observer(observer)]}"
+                   for observer, value in row.get("epsilon_by_observer", {}).items()
+                   if observer != row.get("observer") and math.isfinite(value))
     line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"

@@ -10,7 +10,10 @@ the sketch they compose with and in their noise. As in pfl-research, a mechanism
 ``constrain`` (clip, sketch, clip again: bounds what one client can change, always on the client)
 and ``add_noise``, done by each client to its own message or by the server to the sum of the
 round's messages, as its ``placement`` says. Both placements release the same Gaussian mechanism to
-whoever sees the aggregate (same z, same accountant); they differ in who else is protected.
+whoever sees the aggregate without knowing who took part (same z, same amplified epsilon); they differ
+in what the server sees: with noise at the client each noisy message and whose it is (so against the
+server the epsilon is the known-sample one, without amplification), with noise at the server every
+message before the noise (no guarantee against it).
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ class ThreatModel(str, Enum):
 class NoisePlacement(str, Enum):
     """Where the noise is added (../shared/design/PRIVATE_LEARNING.md, lever 1)."""
 
-    CLIENT = "client"  # the paper: every client noises its own message; the guarantee holds against the server
+    CLIENT = "client"  # the paper: every client noises its own message; against the server, who knows whose, unamplified
     SERVER = "server"  # central DP: the server noises the sum; it holds against all who see the model, not the server
-    SECAGG = "secagg"  # each client adds a share of the noise to integers the server only sees summed (SecAgg+)
+    SECAGG = "secagg"  # clients add shares of the noise to integers the server only sees summed (SecAgg+); against
+    # the server, who knows who was summed, unamplified
 
 
 def message_norm(message: Mapping[str, Tensor]) -> float:

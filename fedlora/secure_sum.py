@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,12 +40,6 @@ def rounded_norm_bound(norm: float, dim: int, beta: float = ROUNDING_BETA) -> fl
         return loose
     tight = math.sqrt(norm ** 2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (norm + math.sqrt(dim) / 2))
     return min(loose, tight)
-
-
-def one_reply(release: SkellamRelease, min_replies: int) -> SkellamRelease:
-    """One reply of a sum released with at least ``min_replies``: its own noise share, V / N_min (z / sqrt(N_min))."""
-    return replace(release, noise_multiplier=release.noise_multiplier / math.sqrt(min_replies),
-                   variance=release.variance / min_replies)
 
 
 def os_generator() -> np.random.Generator:
@@ -73,9 +67,10 @@ class SkellamSecureSum:
         if not self.noise_multiplier > 0:
             raise ValueError(f"Secure aggregation adds noise: the noise multiplier must be positive, got "
                              f"{self.noise_multiplier}.")
-        if not 2 <= self.min_replies <= self.clients:
-            raise ValueError(f"The fewest replies summed must lie in [2, {self.clients}] (clients-per-round), got "
-                             f"{self.min_replies}: secure aggregation of one reply reveals it.")
+        if not 3 <= self.min_replies <= self.clients:
+            raise ValueError(f"The fewest replies summed must lie in [3, {self.clients}] (clients-per-round), got "
+                             f"{self.min_replies}: a sum of one reveals it, and of two Flower's 32-bit mask seeds "
+                             "can be brute-forced.")
         if not 8 <= self.bits <= 30:  # Flower's SecAgg+ quantizes into int32 and masks modulo 2^32
             raise ValueError(f"The modulus must be 2^8 to 2^30, got 2^{self.bits}.")
 
@@ -108,12 +103,12 @@ class SkellamSecureSum:
 
     def release(self) -> SkellamRelease:
         """What a round releases, for the accountant: the sum of at least N_min replies through SecAgg+."""
-        return SkellamRelease(self.noise_multiplier, self.norm_bound, self.sum_variance, self.dim)
+        return SkellamRelease(self.noise_multiplier, self.norm_bound, self.sum_variance, self.dim, self.min_replies)
 
     def message_release(self) -> SkellamRelease:
         """What one client's reply alone would release, for a server that breaks the protocol or sums fewer replies
         than it may."""
-        return one_reply(self.release(), self.min_replies)
+        return self.release().one_reply()
 
     def encode(self, release: Mapping[str, Tensor], generator: np.random.Generator) -> dict[str, np.ndarray]:
         """One client's integers (int64 in [-c, c), by entry name): scaled, rounded, noised, reduced."""

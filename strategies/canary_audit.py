@@ -103,7 +103,8 @@ def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=pr
     accountant = strategy.ledger.report().epsilon if strategy.ledger is not None else math.inf
     return summarize(f"{config.strategy} run, {canaries} canaries ({inserted} included) of {config.num_clients} "
                      f"clients, {len(states) - 1} rounds", "federation", scores_in, scores_null,
-                     threat_model=protocol.mechanism.trust_model,
+                     threat_model=(strategy.ledger.trust_model if strategy.ledger is not None
+                                   else protocol.mechanism.trust_model),
                      attack="largest cosine of a canary with a round's model update",
                      empirical_epsilon=one_run_lower_bound(scores, included, delta=config.delta),
                      empirical_kind=f"lower bound at {CONFIDENCE:.0%} confidence, one run (Steinke, Nasr and "

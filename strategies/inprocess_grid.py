@@ -15,6 +15,8 @@ from flwr.supercore.task_identity import TaskIdentity
 
 
 class InProcessGrid(Grid):
+    simulation = True  # every client runs in this process: seeded noise and a run-seed sketch secret may run here
+
     def __init__(self, client_app, num_nodes: int, run_config: dict, *, fail: set[int] = frozenset(),
                  node_ids: list[int] | None = None):
         self.client_app = client_app

@@ -23,6 +23,9 @@ app = ServerApp()
 def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrategy:
     """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds)."""
     config = run_config_of(dict(context.run_config))
+    simulated = bool(context.run_config.get(SIMULATION_KEY, False))  # by the simulation engine (`fedlora run`)
+    if not (simulated or getattr(grid, "simulation", False)) and (problems := config.outside_simulation_problems()):
+        raise RuntimeError(problems[0])
     out_dir = Path(str(context.run_config.get(OUT_DIR_KEY, "runs/latest")))
     saved = None
     if context.run_config.get(RESUME_KEY, False) and (out_dir / STATE_FILE).is_file():
@@ -38,7 +41,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
                            rows=saved.rows if saved else None)
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
                                sampling_of(config), plan.releases, save=lambda: recorder.save(strategy.checkpoint()),
-                               simulated=bool(context.run_config.get(SIMULATION_KEY, False)))
+                               simulated=simulated)
     if saved:
         strategy.restore(saved)
         if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics
@@ -48,7 +51,8 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:
         row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), strategy.ledger)
         strategy.save()
-        values = {"accuracy": row["accuracy"], "loss": row["loss"], f"epsilon ({row['threat_model']})": row["epsilon"]}
+        values = {"accuracy": row["accuracy"], "loss": row["loss"], f"epsilon ({row['threat_model']})": row["epsilon"],
+                  **{f"epsilon against {observer}": value for observer, value in row["epsilon_by_observer"].items()}}
         return MetricRecord({k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)})
 
     strategy.start(grid, to_arrays(strategy.state.message), num_rounds=config.num_rounds,

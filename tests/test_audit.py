@@ -160,7 +160,8 @@ def test_secure_aggregation_audit_sees_the_server_placements_gaussian_in_the_sum
     assert summed.auc == pytest.approx(stats.norm.cdf(2 / z / math.sqrt(2)), abs=0.02)
     assert alone.auc == pytest.approx(stats.norm.cdf(2 * math.sqrt(n_min) / z / math.sqrt(2)), abs=0.02)
     assert 0 < summed.empirical_epsilon < summed.accountant_epsilon < alone.empirical_epsilon < alone.accountant_epsilon
-    assert summed.threat_model == "known-sketch, noise in client shares under secure aggregation"
+    assert summed.threat_model == ("known-sketch, noise in client shares under secure aggregation; against the server "
+                                    "(sample known)")
     with pytest.raises(ValueError, match="private mechanism"):
         audit_secure_sum(gaussian_mechanism(clip_norm=1.0, noise_multiplier=0.0, placement="secagg"),
                          clients_per_round=10, min_replies=8, shape=SMALL)
@@ -247,7 +248,8 @@ def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_pat
 
     config = load_config(None, [*_canary_config("sgmm-ffa-lora").to_assignments(), *levers])
     result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
-    assert result.threat_model == f"known-sketch, noise at the {config.noise_placement}"
+    assert result.threat_model.startswith(f"known-sketch, noise at the {config.noise_placement}")
+    assert result.threat_model.endswith("against observers of the model (sample hidden)")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])  # the run's own ledger
     assert result.accountant_epsilon <= config.target_epsilon
@@ -262,7 +264,7 @@ def test_canary_run_through_secure_aggregation_finds_weakly_noised_canaries_and_
     config = load_config(None, [*_canary_config("gm-ffa-lora").to_assignments(), "noise-placement=secagg",
                                 "message=update", "target-epsilon=0", "noise-multiplier=0.05"])
     result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
-    assert result.threat_model == "known-sketch, noise in client shares under secure aggregation"
+    assert result.threat_model.startswith("known-sketch, noise in client shares under secure aggregation")
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["replies"] == config.clients_per_round and result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])
     assert result.auc > 0.6 and 0.5 < result.empirical_epsilon < result.accountant_epsilon
@@ -279,7 +281,7 @@ def test_fedlora_audit_json_has_the_documented_keys(tmp_path, capsys):
         for key in ("auc", "tpr_at_fpr_0.01", "tpr_at_fpr_0.1", "empirical_epsilon", "accountant_epsilon",
                     "threat_model"):
             assert key in result
-    assert printed["threat_model"] == "known-sketch, noise at the server" and printed["strategy"] == "sgmm-ffa-lora"
+    assert printed["threat_model"].startswith("known-sketch, noise at the server") and printed["strategy"] == "sgmm-ffa-lora"
     assert json.loads((tmp_path / "a" / "audit.json").read_text()) == printed
 
 
@@ -305,8 +307,9 @@ def test_fedlora_audit_of_secure_aggregation_audits_the_sum_and_one_reply_alone(
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert "sum of N_min = 45 of 50" in printed["name"] and "one reply alone" in printed["one_reply"]["name"]
-    assert printed["threat_model"] == printed["one_reply"]["threat_model"] == \
-        "known-sketch, noise in client shares under secure aggregation"
+    assert printed["threat_model"].endswith("against the server (sample known)")
+    assert printed["one_reply"]["threat_model"].endswith("against a server that breaks SecAgg+ (one reply alone, "
+                                                         "sample known)")
     assert printed["accountant_epsilon"] < printed["one_reply"]["accountant_epsilon"]
     assert printed["federation"] is None
 

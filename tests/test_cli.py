@@ -67,7 +67,7 @@ def test_privacy_epsilon_of_a_noise_multiplier(capsys):
     result = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
     for key in ("epsilon", "delta", "noise_multiplier", "threat_model", "sampling"):
         assert key in result
-    assert result["threat_model"] == "known-sketch" and result["sampling"] == "fixed"
+    assert result["threat_model"].startswith("known-sketch, noise at the client;") and result["sampling"] == "fixed"
     assert result["epsilon"] == pytest.approx(3.028, abs=0.01)  # replace-one: sensitivity 2 tau
 
 
@@ -77,7 +77,7 @@ def test_privacy_calibrates_for_a_target(capsys):
     assert result["epsilon"] <= 2.0 and result["noise_multiplier"] > 0 and result["sketch_dim"] == 150
     assert main(["privacy", "--strategy", "sgmm-ffa-lora", "--target-epsilon", "2.0", "--rounds", "100"]) == 0
     out = capsys.readouterr().out
-    assert "calibrated for target epsilon 2" in out and "threat model known-sketch" in out
+    assert "calibrated for target epsilon 2" in out and "threat model: known-sketch, noise at the client" in out
 
 
 def test_privacy_poisson_and_non_private(capsys):
@@ -154,6 +154,52 @@ def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
     assert "needs --threat-model known-sketch" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("preset, sets", [
+    ("quickstart", []), ("small_cohort", []), ("paper_cifar100", []), ("cifar100_private", []),
+    ("small_cohort", ["noise-multiplier=2.0", 'head="probe"']),
+    ("small_cohort", ["noise-multiplier=2.0", 'head="frozen"', 'threat-model="secret-sketch"', "sketch-dim=16"]),
+    ("small_cohort", ["noise-multiplier=2.0", 'threat-model="secret-sketch"', "sketch-dim=16"]),
+    ("quickstart", ['noise-placement="secagg"', 'strategy="gm-ffa-lora"', 'target-observer="server"']),
+    ("quickstart", ['noise-placement="client"', "clip-quantile=0.5", 'target-observer="server"']),
+])
+def test_privacy_of_a_preset_is_the_runs_plan_for_every_observer(capsys, preset, sets):
+    """`fedlora privacy --config` is the run's own accounting (noise_for, at the preset's shapes): every preset, every
+    head (the dense head entry under secret-sketch, the probe phase), the clip count, secure aggregation."""
+    from dataclasses import replace
+
+    from fedlora.config import load_config
+    from fedlora.experiment import noise_for
+    from fedlora.models import model_spec
+
+    assert main(["privacy", "--config", preset, *[a for s in sets for a in ("--set", s)], "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    config = load_config(preset, sets)
+    plan = noise_for(replace(config, model=model_spec(config.model).random_twin or config.model))
+    assert result["noise_multiplier"] == plan.noise_multiplier and result["target_observer"] == config.target_observer
+    assert {o: r["epsilon"] for o, r in result["observers"].items()} == {o: r.epsilon for o, r in plan.reports.items()}
+    assert result["epsilon"] == plan.planned.epsilon and result["threat_model"] == plan.planned.threat_model
+    if config.target_epsilon and not config.noise_multiplier:
+        assert result["epsilon"] <= config.target_epsilon
+
+
+def test_privacy_flags_take_the_head_and_the_target_observer(capsys):
+    """Under secret-sketch the head inside the message is a dense Gaussian release beside the sketched one: it costs
+    epsilon, which the flags-only mode now counts by default (--head message), as runs do."""
+    common = ["privacy", "--strategy", "sgmm-ffa-lora", "--noise-multiplier", "1", "--threat-model", "secret-sketch",
+              "--rounds", "50", "--json"]
+    frozen = _json(capsys, [*common, "--head", "frozen"])
+    message = _json(capsys, common)
+    assert message["head"] == "message" and message["epsilon"] > frozen["epsilon"]
+    model = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--target-epsilon", "4", "--rounds", "50", "--json"])
+    server = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--target-epsilon", "4", "--rounds", "50", "--json",
+                            "--target-observer", "server"])
+    assert server["observers"]["server"]["epsilon"] <= 4 < model["observers"]["server"]["epsilon"]
+    assert server["noise_multiplier"] > model["noise_multiplier"]
+    assert main(["privacy", "--strategy", "gm-ffa-lora", "--target-epsilon", "4", "--noise-placement", "server",
+                 "--target-observer", "server"]) == 2
+    assert "no epsilon holds against it" in capsys.readouterr().err
+
+
 def test_privacy_and_describe_of_a_preset(capsys):
     """`--config`: a preset's accounting equals `fedlora run`'s calibration; its upload per round is N times a
     client's."""
@@ -167,6 +213,7 @@ def test_privacy_and_describe_of_a_preset(capsys):
     assert result["noise_multiplier"] == pytest.approx(plan.noise_multiplier, rel=1e-3)
     assert result["epsilon"] == pytest.approx(plan.planned.epsilon, rel=1e-3)
     assert (result["noise_placement"], result["clients_per_round"], result["rounds"]) == ("server", 50, 10)
+    assert set(result["observers"]) == {"model", "server"} and result["target_observer"] == "model"
     gpu = QUICKSTART.parent / "cifar100_private.toml"
     assert main(["describe", "--config", str(gpu), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)

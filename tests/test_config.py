@@ -1,7 +1,9 @@
+import math
+
 import pytest
 
-from fedlora.config import (OUT_DIR_KEY, RESUME_KEY, ConfigError, RunConfig, load_config, packaged_presets,
-                            parse_assignment)
+from fedlora.config import (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, ConfigError, RunConfig, load_config,
+                            packaged_presets, parse_assignment)
 
 
 def test_defaults_are_valid_and_keys_use_the_vocabulary():
@@ -108,8 +110,9 @@ def test_one_vocabulary_everywhere():
 
     root = Path(__file__).resolve().parents[1]
     flower = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
-    assert {k: v for k, v in flower.items() if k not in (OUT_DIR_KEY, RESUME_KEY)} == RunConfig().to_mapping()
-    assert (flower[OUT_DIR_KEY], flower[RESUME_KEY]) == ("runs/flwr", False)
+    assert {k: v for k, v in flower.items() if k not in (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY)} == \
+        RunConfig().to_mapping()
+    assert (flower[OUT_DIR_KEY], flower[RESUME_KEY], flower[SIMULATION_KEY]) == ("runs/flwr", False, False)
     assert load_config(root / "configs" / "quickstart.toml") == RunConfig() == load_config("quickstart")
     assert packaged_presets() == {p.stem: p for p in sorted((root / "configs").glob("*.toml"))}
     assert load_config(root / "configs" / "small_cohort.toml").clients_per_round == 4  # the first quickstart
@@ -128,7 +131,9 @@ def test_the_quickstart_is_private_at_epsilon_8_and_calibrates_to_it():
     plan = noise_for(config)
     assert plan.planned.epsilon == pytest.approx(config.target_epsilon, rel=0.01)
     assert plan.planned.epsilon <= config.target_epsilon
-    assert plan.planned.threat_model == "known-sketch, noise at the server"
+    assert plan.planned.threat_model == ("known-sketch, noise at the server, seeded noise (a simulation); against "
+                                         "observers of the model (sample hidden)")
+    assert math.isinf(plan.reports["server"].epsilon)  # the server sees each message before its noise
     assert config.model == "vit-tiny-public"
     assert RunConfig.from_mapping({"strategy": "ffa-lora"}).noise_placement == "server"  # the reference: moot
 
@@ -157,7 +162,9 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
     import json
 
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
-    assert row["replies"] == 4 and row["epsilon"] <= 8 and row["threat_model"] == "known-sketch, noise at the server"
+    assert row["replies"] == 4 and row["epsilon"] <= 8 and row["threat_model"] == (
+        "known-sketch, noise at the server, seeded noise (a simulation); against observers of the model (sample hidden)")
+    assert row["observer"] == "model" and math.isinf(row["epsilon_by_observer"]["server"])
 
 
 @pytest.mark.parametrize("values, message", [
@@ -175,8 +182,9 @@ def test_cifar100_private_preset_runs_offline_with_the_tiny_model(tmp_path):
     ({"clip-lr": 0.5}, "clip-lr and clip-count-stddev apply to adaptive clipping"),
     ({"noise-placement": "secagg", "strategy": "ffa-lora"}, 'noise-placement = "secagg" adds the noise in shares'),
     ({"noise-placement": "secagg", "sampling": "poisson"}, 'noise-placement = "secagg" needs sampling = "fixed"'),
-    ({"noise-placement": "secagg", "min-replies": 1}, 'noise-placement = "secagg" needs min-replies >= 2'),
-    ({"noise-placement": "secagg", "clients-per-round": 1}, 'noise-placement = "secagg" needs min-replies >= 2'),
+    ({"noise-placement": "secagg", "min-replies": 1}, 'noise-placement = "secagg" needs min-replies >= 3'),
+    ({"noise-placement": "secagg", "min-replies": 2}, "Flower's SecAgg+ folds each mask seed to 32 bits"),
+    ({"noise-placement": "secagg", "clients-per-round": 1}, 'noise-placement = "secagg" needs min-replies >= 3'),
     ({"noise-placement": "secagg", "clip-quantile": 0.5}, "does not support adaptive clipping"),
     ({"noise-placement": "secagg", "simulation-nodes": 10}, "needs one Flower node per client"),
     ({"noise-placement": "secagg", "threat-model": "secret-sketch"}, 'noise-placement = "secagg" needs threat-model'),

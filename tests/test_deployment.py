@@ -57,7 +57,7 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     assert [r["replies"] for r in rows] == [3, 2] and "(2 of 3 replies)" in lines[1]
     assert all(r["accuracy"] is not None for r in rows)
     assert rows[-1]["releases"] == 2  # the lost node's reply never arrived, but its sampling counts
-    assert rows[-1]["threat_model"] == "known-sketch, noise at the server" and rows[-1]["epsilon"] <= config.target_epsilon
+    assert rows[-1]["threat_model"].startswith("known-sketch, noise at the server;") and rows[-1]["epsilon"] <= config.target_epsilon
     assert len({r["clip_norm"] for r in rows}) == 2  # the clip norm moved
     assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
@@ -67,11 +67,12 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
 def test_a_tls_deployment_under_secure_aggregation(tmp_path):
     """SecAgg+ between real SuperNodes (each stage a message, Flower's mod in each ClientApp process): the round's
     sum is released, and no file on the server side holds a reply."""
-    config = RunConfig.from_mapping({**FAST, "noise-placement": "secagg", "num-rounds": 1})  # min-replies: 2
-    credentials = make_credentials(tmp_path / "credentials", nodes=2)
+    config = RunConfig.from_mapping({**FAST, "noise-placement": "secagg", "num-rounds": 1, "num-clients": 3,
+                                     "clients-per-round": 3})  # N_min >= 3: two would expose each reply
+    credentials = make_credentials(tmp_path / "credentials", nodes=3)
     rows = deploy_locally(config, tmp_path / "run", credentials=credentials, echo=lambda line: None)
-    assert [r["replies"] for r in rows] == [2] and rows[0]["accuracy"] is not None
-    assert rows[0]["threat_model"] == "known-sketch, noise in client shares under secure aggregation"
+    assert [r["replies"] for r in rows] == [3] and rows[0]["accuracy"] is not None
+    assert rows[0]["threat_model"].startswith("known-sketch, noise in client shares under secure aggregation;")
     assert rows[0]["epsilon"] <= config.target_epsilon and rows[0]["bytes_up"] > 0
     assert not leftover_flower_processes()
 
@@ -107,7 +108,7 @@ def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finis
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert saved.status == FINISHED and [r["round"] for r in rows] == [1, 2]
     assert saved.releases == len(saved.ledger["history"]) == rows[-1]["releases"] == 2 + cut.in_flight
-    assert rows[-1]["threat_model"] == "secret-sketch, noise at the client" and all(r["accuracy"] is None for r in rows)
+    assert rows[-1]["threat_model"].startswith("secret-sketch, noise at the client;") and all(r["accuracy"] is None for r in rows)
     secret = (out / "credentials" / "supernode-0" / "sketch-secret").read_text().strip()
     server_side = [p for p in out.rglob("*") if p.is_file() and "credentials" not in p.parts]
     assert server_side and not [p for p in server_side if secret.encode() in p.read_bytes()]
@@ -203,7 +204,7 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 2 for r in rows)
-    assert rows[-1]["threat_model"] == "known-sketch, noise at the client" and (tmp_path / "run" / "adapter").is_dir()
+    assert rows[-1]["threat_model"].startswith("known-sketch, noise at the client;") and (tmp_path / "run" / "adapter").is_dir()
     deadline = time.time() + 60  # killed SuperNodes' SuperExecs notice their parent is gone and exit
     while leftover_flower_processes() and time.time() < deadline:
         time.sleep(1)

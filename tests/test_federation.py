@@ -100,7 +100,7 @@ def test_the_quickstarts_private_setting_rises_above_chance(tmp_path):
     run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
                    echo=lambda line: None)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["epsilon"] <= 8.0 and rows[-1]["threat_model"] == "known-sketch, noise at the server"
+    assert rows[-1]["epsilon"] <= 8.0 and rows[-1]["threat_model"].startswith("known-sketch, noise at the server")
     assert rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
 
 
@@ -203,7 +203,7 @@ def test_every_private_strategy_runs_with_noise_at_the_server(tmp_path, strategy
                                  "target-epsilon": 30.0}  # FlexLoRA keeps the adapter form
     strategy, _, config = _run(tmp_path, strategy=strategy_name, **{k.replace("-", "_"): v for k, v in levers.items()})
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["threat_model"] == "known-sketch, noise at the server" and r["replies"] == 3 for r in rows)
+    assert all(r["threat_model"].startswith("known-sketch, noise at the server") and r["replies"] == 3 for r in rows)
     assert rows[-1]["epsilon"] <= 30.0 and rows[0]["clip_norm"] == 1.0 and rows[1]["clip_norm"] != 1.0
     assert strategy.state.produced_by == (DENSE if ffa or not strategy.protocol.algorithm.sketched else 2)
     if ffa:  # updates keep the global state dense, and the optimizer's momentum for every entry sent
@@ -287,7 +287,7 @@ def test_describe_gives_the_masked_vector_a_client_sends_under_secure_aggregatio
     from fedlora.cli import main
 
     _, _, config = _run(tmp_path / "run", strategy="sgmm-flexlora", num_rounds=1, target_epsilon=10.0,
-                        noise_placement="secagg", min_replies=2)
+                        noise_placement="secagg", min_replies=3)
     preset = tmp_path / "preset.toml"
     preset.write_text("".join(f"{key} = {json.dumps(value)}\n" for key, value in config.items() if key != "out-dir"))
     assert main(["describe", "--config", str(preset), "--json"]) == 0
@@ -305,7 +305,7 @@ def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, s
     """Near-zero noise: the global model through SecAgg+ (integers, masks, Flower's mod; FlexLoRA's clients encode
     their products; updates applied by server momentum) is the server placement's to within the quantization and
     the noise; no training reply the server receives carries arrays."""
-    common = {"strategy": strategy_name, "noise-multiplier": 1e-4, "target-epsilon": 0.0, "min-replies": 2,
+    common = {"strategy": strategy_name, "noise-multiplier": 1e-4, "target-epsilon": 0.0, "min-replies": 3,
               "noise-source": "seeded", **form}
     server, _, _ = _run(tmp_path / "server", noise_placement="server",
                         **{k.replace("-", "_"): v for k, v in common.items()})
@@ -330,8 +330,9 @@ def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, s
     for name, t in expected.items():
         assert torch.allclose(got[name], t, atol=2e-3), name
     rows = [json.loads(line) for line in (tmp_path / "secagg" / "metrics.jsonl").read_text().splitlines()]
-    assert all(r["replies"] == 3 and r["threat_model"] == "known-sketch, noise in client shares under secure "
-                                                          "aggregation" for r in rows)
+    assert all(r["replies"] == 3 and r["threat_model"].startswith("known-sketch, noise in client shares under secure "
+                                                                  "aggregation") for r in rows)
+    assert all(set(r["epsilon_by_observer"]) == {"model", "server", "one-reply"} for r in rows)
     assert all(not any(len(a) for a in r.content.array_records.values()) for r in received if
                r.metadata.message_type == "train")
     # and it writes what the server placement writes: the aggregate state, nothing per client
@@ -349,7 +350,7 @@ def test_given_the_noise_its_sum_carried_secure_aggregation_is_the_server_placem
     from fedlora.mechanisms import Mechanism
     from fedlora.secure_sum import SkellamSecureSum
 
-    common = {"strategy": "gm-ffa-lora", "noise-multiplier": 1.0, "target-epsilon": 0.0, "min-replies": 2,
+    common = {"strategy": "gm-ffa-lora", "noise-multiplier": 1.0, "target-epsilon": 0.0, "min-replies": 3,
               "noise-source": "seeded", "message": "update", "server-optimizer": "momentum"}
     pending, noises = [], []
     encode, decode = SkellamSecureSum.encode, SkellamSecureSum.decode
@@ -383,3 +384,25 @@ def test_given_the_noise_its_sum_carried_secure_aggregation_is_the_server_placem
     assert next(replay, None) is None  # every round's noise was replayed, once
     for name, t in secure.state.message.items():  # without the noise (z = 1) they would differ by far more
         assert torch.allclose(server.state.message[name], t, atol=1e-3), name
+
+
+def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_simulation(tmp_path):
+    """A ServerApp that no simulation runs (`flwr run .` against SuperNodes) refuses noise and a secret sketch that
+    the run seed gives away, before any work; with OS noise it runs, and its epsilons are not labelled seeded."""
+
+    class Deployed(InProcessGrid):
+        simulation = False  # as Flower's own grid: nothing says the clients are simulated
+
+    def run(**overrides):
+        config = {**SMALL, **overrides, "out-dir": str(tmp_path / str(len(list(tmp_path.iterdir()))))}
+        return run_federation(Deployed(client_app, config["num-clients"], config),
+                              Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                              echo=lambda line: None)
+
+    with pytest.raises(RuntimeError, match='noise-source = "seeded" derives every noise draw from the run seed'):
+        run()
+    with pytest.raises(RuntimeError, match='sketch-secret = "run-seed" lets the server derive the secret sketch'):
+        run(**{"noise-source": "os", "threat-model": "secret-sketch"})
+    strategy = run(**{"noise-source": "os", "num-rounds": 1})
+    assert strategy.rounds_done == 1 and "seeded" not in strategy.ledger.trust_model
+    assert set(strategy.ledger.history[-1]["epsilons"]) == {"model", "server"}

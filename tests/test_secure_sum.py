@@ -37,7 +37,7 @@ def test_the_decoded_sum_is_the_plain_sum_within_the_rounding_and_the_noise():
 
 def test_decoding_is_modular():
     """SecAgg+ sums modulo 2^32 and shifts every vector by c: any integer congruent modulo 2c decodes the same."""
-    codec = SkellamSecureSum(1.0, 1.0, clients=4, min_replies=2, dim=3)
+    codec = SkellamSecureSum(1.0, 1.0, clients=4, min_replies=3, dim=3)
     c = codec.half_range
     total = {"x": np.array([5, -7, c - 1], dtype=np.int64)}
     shifted = {"x": total["x"] + np.array([2 * c, -6 * c, 4 * c]) + 2 ** 32}
@@ -71,7 +71,7 @@ def test_at_the_quickstarts_scale_the_decoded_noise_is_the_servers_gaussian_scal
 
 
 def test_rounding_never_exceeds_the_norm_bound():
-    codec = SkellamSecureSum(1.0, 1.0, clients=3, min_replies=2, dim=39, bits=12)  # coarse: rounding matters
+    codec = SkellamSecureSum(1.0, 1.0, clients=3, min_replies=3, dim=39, bits=12)  # coarse: rounding matters
     rng = np.random.default_rng(1)
     for i in range(50):
         scaled = np.concatenate([t.double().numpy().ravel() for t in _release(rng).values()]) * codec.scale
@@ -83,17 +83,18 @@ def test_rounding_never_exceeds_the_norm_bound():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_replies": 1}, "fewest replies summed"),
+    ({"min_replies": 2}, "32-bit mask seeds"),
     ({"min_replies": 5}, "fewest replies summed"),
     ({"noise_multiplier": 0.0}, "must be positive"),
     ({"bits": 32}, r"2\^8 to 2\^30"),
 ])
 def test_bad_parameters_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        SkellamSecureSum(**{"noise_multiplier": 1.0, "clip_norm": 1.0, "clients": 4, "min_replies": 2, "dim": 3,
+        SkellamSecureSum(**{"noise_multiplier": 1.0, "clip_norm": 1.0, "clients": 4, "min_replies": 3, "dim": 3,
                             **kwargs})
 
 
 def test_only_a_clipped_release_is_encoded():
-    codec = SkellamSecureSum(1.0, 1.0, clients=4, min_replies=2, dim=39)
+    codec = SkellamSecureSum(1.0, 1.0, clients=4, min_replies=3, dim=39)
     with pytest.raises(ValueError, match="clipped to the clip norm"):
         codec.encode(_release(np.random.default_rng(0), norm=2.0), np.random.default_rng(0))

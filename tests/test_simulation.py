@@ -27,7 +27,7 @@ LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": 
           "clip-count-stddev": 5.0, "simulation-nodes": 1}
 
 
-SECAGG = {"noise-placement": "secagg", "message": "update", "min-replies": 2}
+SECAGG = {"noise-placement": "secagg", "message": "update", "clients-per-round": 3, "min-replies": 3}  # N_min >= 3
 
 
 @pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS, SECAGG],
@@ -41,10 +41,10 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     rows = run_simulation(config, Path("run"), echo=lines.append)
     tmp_path = tmp_path / "run"
     assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
-    assert lines[0].startswith("round   1/2  accuracy") and f"({trust_label('known-sketch', config.noise_placement)})" \
-        in lines[0]
+    label = trust_label("known-sketch", config.noise_placement, "model", seeded=True)
+    assert lines[0].startswith("round   1/2  accuracy") and f"({label})" in lines[0]
     assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == ("clip-quantile" not in levers)  # adaptive clip moves
-    assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == 2
+    assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == config.clients_per_round
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "accuracy.png").exists()
     assert json.loads((tmp_path / "config.json").read_text())["strategy"] == "sgmm-ffa-lora"
     assert not leftover_flower_processes()
@@ -111,8 +111,9 @@ def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
     resumed = _fedlora("run", "--resume", str(out))
     output, _ = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, output
-    assert f"resuming after round {saved.rounds_done} of 4, epsilon " in output and \
-        "(known-sketch, noise at the client) spent" in output
+    assert f"resuming after round {saved.rounds_done} of 4, epsilon " in output
+    assert ("(known-sketch, noise at the client, seeded noise (a simulation); against observers of the model (sample "
+            "hidden)) spent") in output
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     expected = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]  # no round counted twice

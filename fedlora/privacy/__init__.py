@@ -12,7 +12,7 @@ from importlib import import_module
 _HOMES = {
     "THREAT_MODELS": "accounting", "Calibration": "accounting", "PrivacyReport": "accounting",
     "calibrate": "accounting", "epsilon": "accounting",
-    "GaussianRelease": "events", "NonPrivateRelease": "events", "Phase": "events", "Sampling": "events",
+    "GaussianRelease": "events", "NonPrivateRelease": "events", "Observer": "events", "observers": "events", "Phase": "events", "Sampling": "events",
     "SamplingScheme": "events", "SkellamRelease": "events", "SketchedRelease": "events",
     "PrivacyLedger": "ledger",
 }

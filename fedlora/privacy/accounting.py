@@ -15,23 +15,36 @@
   round's clipped messages gets N(0, z^2 tau^2), the Gaussian mechanism each client's own noise
   gives under noise at the client, with the same sensitivity. It changes who the guarantee holds
   against, so every report names it (``placement``); the secret-sketch bound is refused there.
+- Who looks (``Observer``, ../shared/design/PRIVACY.md section 3b): sampling amplifies only against
+  an observer who does not know the sample. The server draws it, so against the server (noise at
+  the client, or secure aggregation) the accountant conditions on the rounds the client took part in,
+  k ~ Bin(T, q): delta(eps) = E_k delta_k(eps), under replace-one (sensitivity 2 tau; a server that
+  sees who replied learns membership anyway, so add/remove has nothing left to protect). For Gaussian
+  releases delta_k is the Gaussian mechanism's exact curve at mu = sqrt(k) 2 / z (exact, "known-sample
+  exact"); for sketched and Skellam releases it is the RDP conversion of k rounds' curve (a sound
+  bound, "known-sample RDP"). Under fixed-size sampling that guarantee also holds against the
+  model's observers (they see less, under the same replace-one relation), so their epsilon is the
+  smaller of the two: where the amplification theorem is loose (small z, large q) the known-sample
+  number wins.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 
 import numpy as np
 from dp_accounting import dp_event
 from dp_accounting.pld import pld_privacy_accountant
 from dp_accounting.rdp import rdp_privacy_accountant as rdp
+from scipy import optimize, special, stats
 
 from fedlora.privacy.curves import sketched_rdp, skellam_rdp
-from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, Sampling, SamplingScheme,
-                                    SkellamRelease, SketchedRelease, trust_label)
+from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Observer, Phase, Release, Sampling,
+                                    SamplingScheme, SkellamRelease, SketchedRelease, trust_label)
 
 # Renyi orders: dense where small epsilons are optimal, sparse in the tail.
 ORDERS = np.array([1 + x / 20 for x in range(1, 60)] + [4 + x / 4 for x in range(28)]
@@ -49,14 +62,18 @@ class PrivacyReport:
     delta: float
     threat_model: str
     sampling: str
-    method: str  # "RDP", "PLD", or "none" (not private)
+    method: str  # "RDP", "PLD", "known-sample exact", "known-sample RDP", or "none" (not private)
     order: float | None = None
+    observer: str = Observer.MODEL.value  # whom the number holds against (the label names it too)
 
     def describe(self) -> str:
         if math.isinf(self.epsilon):
             return f"epsilon = inf (not private), threat model {self.threat_model}"
         return (f"epsilon = {self.epsilon:.4g} at delta = {self.delta:g} ({self.method}, {self.sampling} sampling, "
                 f"threat model {self.threat_model})")
+
+
+REPLACE_ONE_SENSITIVITY = 2.0  # the known-sample accounting's relation, whatever the sampler (module docstring)
 
 
 def _check_delta(delta: float) -> None:
@@ -87,9 +104,8 @@ def _all_gaussian(release: Sequence[Release]) -> bool:
     return all(isinstance(part, GaussianRelease) for part in release)
 
 
-def _round_curve(release: Sequence[Release], sampling: SamplingScheme) -> Callable[[float], float]:
-    """RDP of one round's release, before sampling, as a function of the order (for autodp)."""
-    s = _sensitivity(sampling)
+def _round_curve(release: Sequence[Release], s: float) -> Callable[[float], float]:
+    """RDP of one round's release at sensitivity ``s`` clip norms, before sampling, as a function of the order."""
 
     def curve(alpha: float) -> float:
         total = 0.0
@@ -116,7 +132,7 @@ def _amplified_rdp(release: Sequence[Release], sampling: SamplingScheme, orders:
 
     base = AutodpMechanism()
     base.name, base.params, base.neighboring = "sketched", {"release": 1}, "replace_one"
-    base.propagate_updates(_round_curve(release, sampling), "RDP")
+    base.propagate_updates(_round_curve(release, _sensitivity(sampling)), "RDP")
     with np.errstate(all="ignore"):  # autodp's log-sum-exp meets the curve's +inf at high orders
         amplified = AmplificationBySampling(PoissonSampling=False).amplify(base, sampling.q, improved_bound_flag=False)
         values = np.array([amplified.RenyiDP(a) for a in orders], dtype=float)
@@ -147,6 +163,71 @@ def _round_rdp(release: tuple[Release, ...], sampling: SamplingScheme, orders: t
         raise ValueError("Secret-sketch accounting supports fixed-size sampling only: the shared-sketch bound "
                          "needs the number of clients per round, which Poisson sampling does not fix.")
     return _amplified_rdp(release, sampling, orders)
+
+
+def _participation(phases: Sequence[Phase]) -> tuple[np.ndarray, np.ndarray]:
+    """The rounds of each phase a client takes part in, k_p ~ Bin(rounds_p, q_p) independently, as rows of counts
+    with their probabilities (those below 1e-300 dropped: they cannot move a delta)."""
+    counts, probs = np.zeros((1, 0), dtype=float), np.ones(1)
+    for phase in phases:
+        pmf = stats.binom.pmf(np.arange(phase.rounds + 1), phase.rounds, phase.sampling.q)
+        keep = np.nonzero(pmf > 1e-300)[0]
+        counts = np.hstack([np.repeat(counts, len(keep), axis=0), np.tile(keep, len(counts))[:, None]])
+        probs = np.outer(probs, pmf[keep]).ravel()
+        live = probs > 1e-300
+        counts, probs = counts[live], probs[live]
+    return counts, probs
+
+
+def gaussian_delta(eps: float, mu: np.ndarray) -> np.ndarray:
+    """The Gaussian mechanism's exact delta(eps) at mu = sensitivity / sigma: Phi(-eps/mu + mu/2) - e^eps
+    Phi(-eps/mu - mu/2) (Balle and Wang 2018), 0 where mu = 0."""
+    mu = np.asarray(mu, dtype=float)
+    safe = np.where(mu > 0, mu, 1.0)
+    with np.errstate(over="ignore"):
+        value = special.ndtr(-eps / safe + safe / 2) - np.exp(eps + special.log_ndtr(-eps / safe - safe / 2))
+    return np.where(mu > 0, np.clip(value, 0.0, 1.0), 0.0)
+
+
+def rdp_delta(eps: float, rdp_curves: np.ndarray, orders: np.ndarray = ORDERS) -> np.ndarray:
+    """dp-accounting's RDP-to-delta conversion (``rdp.compute_delta``), vectorized over rows of RDP curves."""
+    rdp_curves = np.atleast_2d(rdp_curves)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        kl = np.where(rdp_curves == 0, -np.inf, 0.5 * np.log1p(-np.exp(-rdp_curves)))
+        bound = (orders - 1) * (rdp_curves - eps + np.log1p(-1 / orders)) - np.log(orders)
+        log_delta = np.where(orders > 1.01, np.minimum(kl, bound), kl)
+    return np.minimum(np.exp(np.nan_to_num(log_delta, nan=0.0, posinf=0.0).min(axis=1)), 1.0)
+
+
+def _solve_epsilon(delta_of: Callable[[float], float], delta: float) -> float:
+    """The least epsilon with delta_of(epsilon) <= delta (delta_of falls as epsilon grows); inf if none."""
+    if delta_of(0.0) <= delta:
+        return 0.0
+    hi = 1.0
+    while delta_of(hi) > delta:
+        if hi > 1e4:
+            return math.inf
+        hi *= 2
+    return float(optimize.brentq(lambda e: delta_of(e) - delta, hi / 2 if hi > 1 else 0.0, hi, xtol=1e-12,
+                                 rtol=1e-10))
+
+
+def known_sample_epsilon(phases: Sequence[Phase], delta: float) -> tuple[float, str]:
+    """Epsilon against an observer who knows the rounds the client took part in (no amplification), and the
+    method: exact for Gaussian releases, the RDP conversion per participation count otherwise."""
+    phases = [p for p in phases if p.rounds > 0]
+    if any(isinstance(part, NonPrivateRelease) or part.noise_multiplier == 0 for p in phases for part in p.release):
+        return math.inf, "none"
+    counts, probs = _participation(phases)
+    s = REPLACE_ONE_SENSITIVITY
+    if all(_all_gaussian(p.release) for p in phases):
+        mu2 = np.array([s * s * sum(part.noise_multiplier ** -2 for part in p.release) for p in phases])
+        mu = np.sqrt(counts @ mu2)
+        return _solve_epsilon(lambda e: float(probs @ gaussian_delta(e, mu)), delta), "known-sample exact"
+    per_round = np.array([[_round_curve(p.release, s)(a) for a in ORDERS] for p in phases])
+    with np.errstate(invalid="ignore"):  # 0 rounds of an infinite order is no release
+        curves = np.where(counts[:, :, None] > 0, counts[:, :, None] * per_round[None], 0.0).sum(axis=1)
+    return _solve_epsilon(lambda e: float(probs @ rdp_delta(e, curves)), delta), "known-sample RDP"
 
 
 def _pld_epsilon(phases: Sequence[Phase], delta: float) -> float | None:
@@ -193,10 +274,13 @@ def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> N
 
 
 def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placement: str = "client",
+            observer: Observer | str = Observer.MODEL, seeded: bool = False, server_derives_sketch: bool = False,
             use_pld: bool = True, allow_unsound_per_message: bool = False) -> PrivacyReport:
-    """The client-level (epsilon, delta) of all ``phases`` composed, labelled with the threat model and
-    where the noise was added.
+    """The client-level (epsilon, delta) of all ``phases`` composed against ``observer``, labelled with the threat
+    model, where the noise was added, whether the noise was seeded (a simulation) and the observer.
 
+    ``server_derives_sketch``: a secret sketch whose R the server derives (sketch-secret = "run-seed"): the
+    secret-sketch bound then holds against no observer who knows R, the server included (epsilon = inf there).
     ``allow_unsound_per_message`` lets a secret-sketch release be accounted per message although its
     sketch is shared (the paper's analysis): only for showing the paper's numbers, labelled UNSOUND.
     """
@@ -204,24 +288,42 @@ def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placeme
     _check_threat_model(phases, threat_model)
     _check_placement(phases, placement)
     _check_phases(phases, allow_unsound_per_message)
+    observer = Observer(observer)
+    if observer is Observer.ONE_REPLY and placement != "secagg":
+        raise ValueError("One reply alone is an observer of secure aggregation only (noise-placement = \"secagg\").")
     unsound = any(isinstance(part, SketchedRelease) and part.clients_per_round < (p.sampling.clients_per_round or 1)
                   for p in phases for part in p.release)
-    threat_model = trust_label(threat_model, placement)
+    label = trust_label(threat_model, placement, observer, seeded=seeded,
+                        server_derives_sketch=server_derives_sketch and threat_model == "secret-sketch")
     if unsound:
-        threat_model = f"{threat_model}, per-message analysis: UNSOUND for shared sketches"
+        label = f"{label}, per-message analysis: UNSOUND for shared sketches"
     sampling = "+".join(sorted({p.sampling.kind.value for p in phases})) or "none"
+    report = partial(PrivacyReport, delta=delta, threat_model=label, sampling=sampling, observer=observer.value)
+    if observer is not Observer.MODEL:
+        sketched = any(isinstance(part, SketchedRelease) for p in phases for part in p.release)
+        if placement == "server" or (sketched and server_derives_sketch):
+            return report(math.inf, method="none")  # it sees each message before the noise, or knows R
+        if observer is Observer.ONE_REPLY:
+            phases = [dataclasses.replace(p, release=tuple(part.one_reply() if isinstance(part, SkellamRelease)
+                                                           else part for part in p.release)) for p in phases]
+        eps, method = known_sample_epsilon(phases, delta)
+        return report(eps, method=method)
     total = sum((phase_rdp(p) for p in phases), np.zeros_like(ORDERS))
     if np.any(np.isnan(total)) or np.any(total < 0):
         raise ValueError("An RDP curve came out NaN or negative; refusing to report an epsilon from it.")
     if np.all(np.isinf(total)):
-        return PrivacyReport(math.inf, delta, threat_model, sampling, "none")
+        return report(math.inf, method="none")
     eps, order = rdp.compute_epsilon(ORDERS, total, delta)
-    report = PrivacyReport(float(eps), delta, threat_model, sampling, "RDP", float(order))
+    best = report(float(eps), method="RDP", order=float(order))
     if use_pld and eps > 0:
         pld_eps = _pld_epsilon(phases, delta)
-        if pld_eps is not None and pld_eps < report.epsilon:
-            report = PrivacyReport(pld_eps, delta, threat_model, sampling, "PLD")
-    return report
+        if pld_eps is not None and pld_eps < best.epsilon:
+            best = report(pld_eps, method="PLD")
+    if use_pld and eps > 0 and all(p.sampling.kind is Sampling.FIXED for p in phases):
+        known, method = known_sample_epsilon(phases, delta)  # replace-one both: it bounds the model's view too
+        if known < best.epsilon:
+            best = report(known, method=method)
+    return best
 
 
 @dataclass(frozen=True)
@@ -231,20 +333,24 @@ class Calibration:
 
 
 def calibrate(phases_for: Callable[[float], Sequence[Phase]], *, target_epsilon: float, delta: float,
-              threat_model: str, placement: str = "client", tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3,
-              allow_unsound_per_message: bool = False) -> Calibration:
+              threat_model: str, placement: str = "client", observer: Observer | str = Observer.MODEL,
+              tolerance: float = 2.5e-3, max_noise_multiplier: float = 1e3, **labels) -> Calibration:
     """The smallest noise multiplier (to ``tolerance`` relative) whose epsilon is <= ``target_epsilon``.
 
     ``phases_for(z)`` gives the run's phases at noise multiplier z. Epsilon falls as z rises, so a
-    bisection on z converges; the returned multiplier always meets the target.
+    bisection on z converges; the returned multiplier always meets the target against ``observer``.
+    ``labels``: ``epsilon``'s other keywords (seeded, server_derives_sketch, allow_unsound_per_message).
     """
+    if Observer(observer) is Observer.SERVER and placement == "server":
+        raise ValueError("With noise at the server the server sees every message before the noise: no epsilon holds "
+                         "against it to calibrate for (target the model's observers, or move the noise).")
     if not target_epsilon > 0:
         raise ValueError(f"Target epsilon must be positive, got {target_epsilon}.")
     _check_delta(delta)
 
     def eps_at(z: float) -> PrivacyReport:
-        return epsilon(phases_for(z), delta=delta, threat_model=threat_model, placement=placement,
-                       allow_unsound_per_message=allow_unsound_per_message)
+        return epsilon(phases_for(z), delta=delta, threat_model=threat_model, placement=placement, observer=observer,
+                       **labels)
 
     hi = 1.0
     report = eps_at(hi)

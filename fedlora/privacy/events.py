@@ -15,11 +15,43 @@ class Sampling(str, Enum):
     POISSON = "poisson"  # each client independently with rate q; add/remove-one neighbours
 
 
-def trust_label(threat_model: str, placement: str) -> str:
-    """How every epsilon is labelled: who may know the sketch, and where the noise is added."""
+class Observer(str, Enum):
+    """Who an epsilon holds against (../shared/design/PRIVACY.md, section 3b). Amplification by sampling needs the
+    sample hidden from the observer; the server draws it, so against the server it does not amplify."""
+
+    MODEL = "model"  # sees what the server releases (every round's model), not who took part
+    SERVER = "server"  # draws the sample: knows the rounds each client took part in, and sees what it is sent
+    ONE_REPLY = "one-reply"  # secure aggregation: a server that breaks SecAgg+ holds one reply alone, and knows whose
+
+
+OBSERVER_LABELS = {
+    Observer.MODEL: "against observers of the model (sample hidden)",
+    Observer.SERVER: "against the server (sample known)",
+    Observer.ONE_REPLY: "against a server that breaks SecAgg+ (one reply alone, sample known)",
+}
+
+
+def observers(placement: str) -> tuple[Observer, ...]:
+    """The observers a noise placement tells apart: secure aggregation adds a server that breaks the protocol."""
     if placement == "secagg":
-        return f"{threat_model}, noise in client shares under secure aggregation"
-    return f"{threat_model}, noise at the {placement}"
+        return Observer.MODEL, Observer.SERVER, Observer.ONE_REPLY
+    return Observer.MODEL, Observer.SERVER
+
+
+def trust_label(threat_model: str, placement: str, observer: Observer | str | None = None, *, seeded: bool = False,
+                server_derives_sketch: bool = False) -> str:
+    """How every epsilon is labelled: who may know the sketch, where the noise is added, whether it is a seeded
+    simulation's, and (given ``observer``) whom the number holds against."""
+    if server_derives_sketch:
+        threat_model += " (a simulation: the server derives R)"
+    where = ("noise in client shares under secure aggregation" if placement == "secagg"
+             else f"noise at the {placement}")
+    label = f"{threat_model}, {where}"
+    if seeded:
+        label += ", seeded noise (a simulation)"  # whoever holds the run seed removes it
+    if observer is not None:
+        label += f"; {OBSERVER_LABELS[Observer(observer)]}"
+    return label
 
 
 @dataclass(frozen=True)
@@ -49,6 +81,12 @@ class SkellamRelease:
     norm_bound: float
     variance: float
     dim: int
+    shares: int = 1  # the clients that each add 1 / shares of the variance (N_min): one reply alone has variance / shares
+
+    def one_reply(self) -> SkellamRelease:
+        """One client's reply alone: its own noise share, variance / N_min (z / sqrt(N_min))."""
+        return SkellamRelease(self.noise_multiplier / self.shares ** 0.5, self.norm_bound, self.variance / self.shares,
+                              self.dim)
 
 
 @dataclass(frozen=True)

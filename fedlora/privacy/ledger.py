@@ -2,7 +2,9 @@
 
 Strategies record every round in which clients were sampled (whether or not their replies
 arrived: a sampled client counts as a release). The ledger is plain data, so checkpoints can
-save and restore it, and every epsilon it holds names its threat model.
+save and restore it, and every epsilon it holds names its threat model and whom it holds against:
+it reports one epsilon per observer the noise placement tells apart (``observers``), and the budget
+is on ``target_observer``'s.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import typing
 from dataclasses import dataclass, field
 
 from fedlora.privacy.accounting import PrivacyReport, epsilon
-from fedlora.privacy.events import Phase, Release, SamplingScheme, trust_label
+from fedlora.privacy.events import Observer, Phase, Release, SamplingScheme, observers, trust_label
 
 _RELEASES = {cls.__name__: cls for cls in typing.get_args(Release)}  # every kind a checkpoint can hold
 
@@ -25,11 +27,24 @@ class PrivacyLedger:
     phases: list[Phase] = field(default_factory=list)
     history: list[dict] = field(default_factory=list)  # one entry per recorded round
     placement: str = "client"  # where the noise is added: part of every epsilon's label
+    target_observer: str = Observer.MODEL.value  # whose epsilon the budget limits
+    seeded: bool = False  # noise drawn from the run seed (a simulation): said in every label
+    server_derives_sketch: bool = False  # secret-sketch with R from the run seed: not secret from the server
 
     @property
     def trust_model(self) -> str:
-        """The label of every epsilon this ledger reports: threat model and noise placement."""
-        return trust_label(self.threat_model, self.placement)
+        """The label of the budget's epsilon: threat model, noise placement, seeded or not, observer."""
+        return trust_label(self.threat_model, self.placement, self.target_observer, seeded=self.seeded,
+                           server_derives_sketch=self.server_derives_sketch and self.threat_model == "secret-sketch")
+
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        return observers(self.placement)
+
+    def _epsilon(self, phases: list[Phase], observer: Observer | str | None) -> PrivacyReport:
+        return epsilon(phases, delta=self.delta, threat_model=self.threat_model, placement=self.placement,
+                       observer=observer or self.target_observer, seeded=self.seeded,
+                       server_derives_sketch=self.server_derives_sketch)
 
     def _with_release(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> list[Phase]:
         """The phases with one more release of phase ``name`` (a new phase if the last one is another)."""
@@ -41,16 +56,19 @@ class PrivacyLedger:
             return [*done, dataclasses.replace(current, rounds=current.rounds + 1)]
         return [*self.phases, Phase(name, tuple(release), sampling, 1)]
 
-    def report(self) -> PrivacyReport:
-        """The guarantee after the releases recorded so far."""
+    def report(self, observer: Observer | str | None = None) -> PrivacyReport:
+        """The guarantee after the releases recorded so far, against ``observer`` (default: the budget's)."""
         if not self.phases:
             raise ValueError("The ledger has recorded nothing yet.")
-        return epsilon(self.phases, delta=self.delta, threat_model=self.threat_model, placement=self.placement)
+        return self._epsilon(self.phases, observer)
+
+    def reports(self) -> dict[str, PrivacyReport]:
+        """The guarantee against every observer the placement tells apart, by observer."""
+        return {o.value: self.report(o) for o in self.observers}
 
     def report_after(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> PrivacyReport:
-        """The guarantee if one more release of phase ``name`` were recorded (nothing is recorded)."""
-        return epsilon(self._with_release(name, release, sampling), delta=self.delta, threat_model=self.threat_model,
-                       placement=self.placement)
+        """The budget's guarantee if one more release of phase ``name`` were recorded (nothing is recorded)."""
+        return self._epsilon(self._with_release(name, release, sampling), None)
 
     @property
     def epsilon(self) -> float:
@@ -70,15 +88,18 @@ class PrivacyLedger:
         """Counts one more release of phase ``name`` (e.g. "linear-probe", then "lora"; phases compose) and
         returns the guarantee after it."""
         self.phases = self._with_release(name, release, sampling)
-        report = self.report()
+        reports = self.reports()
+        report = reports[Observer(self.target_observer).value]
         self.history.append({"phase": name, "round": self.rounds, "epsilon": report.epsilon,
-                             "delta": self.delta, "threat_model": report.threat_model, "method": report.method})
+                             "delta": self.delta, "threat_model": report.threat_model, "method": report.method,
+                             "epsilons": {o: r.epsilon for o, r in reports.items()}})
         return report
 
     def to_dict(self) -> dict:
         """JSON-ready state, for checkpoints."""
         return {"delta": self.delta, "threat_model": self.threat_model, "target_epsilon": self.target_epsilon,
-                "placement": self.placement, "history": list(self.history),
+                "placement": self.placement, "target_observer": self.target_observer, "seeded": self.seeded,
+                "server_derives_sketch": self.server_derives_sketch, "history": list(self.history),
                 "phases": [{"name": p.name, "rounds": p.rounds,
                             "sampling": {**dataclasses.asdict(p.sampling), "kind": p.sampling.kind.value},
                             "release": [{"type": type(r).__name__, **dataclasses.asdict(r)} for r in p.release]}
@@ -90,4 +111,5 @@ class PrivacyLedger:
                         tuple(_RELEASES[r["type"]](**{k: v for k, v in r.items() if k != "type"}) for r in p["release"]),
                         SamplingScheme(**p["sampling"]), p["rounds"]) for p in state["phases"]]
         return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases, list(state["history"]),
-                   state.get("placement", "client"))
+                   state.get("placement", "client"), state.get("target_observer", Observer.MODEL.value),
+                   state.get("seeded", False), state.get("server_derives_sketch", False))

@@ -24,13 +24,15 @@ ANALYSES = ("known-sketch", "secret-sketch", "per-message")
 
 
 def round_release(strategy: str, noise_multiplier: float, analysis: str, *, rank: int = RANK,
-                  sketch_dim: int | None = None, clients_per_round: int = CLIENTS_PER_ROUND) -> tuple[Release, ...]:
-    """One round's release of ``strategy`` under an analysis of ANALYSES."""
+                  sketch_dim: int | None = None, clients_per_round: int = CLIENTS_PER_ROUND,
+                  head: str = "frozen") -> tuple[Release, ...]:
+    """One round's release of ``strategy`` under an analysis of ANALYSES, with the classifier head frozen (the
+    paper's table accounts the adapters alone) or inside the message (``head = "message"``, as runs train it)."""
     algorithm = get_algorithm(strategy)
     threat_model = "known-sketch" if analysis == "known-sketch" else "secret-sketch"
     mechanism = make_mechanism(algorithm, clip_norm=1.0, noise_multiplier=noise_multiplier,
                                sketch_dim=sketch_dim or SKETCH_DIMS.get(algorithm.mechanism), threat_model=threat_model)
-    release = mechanism.release(rank=rank, clients_per_round=clients_per_round, dense=False)  # head frozen
+    release = mechanism.release(rank=rank, clients_per_round=clients_per_round, dense=head == "message")
     if analysis == "per-message":
         release = tuple(SketchedRelease(p.noise_multiplier, p.sketch_dim, p.rank, 1) if isinstance(p, SketchedRelease)
                         else p for p in release)
