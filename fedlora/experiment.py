@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import resource
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,7 +269,7 @@ def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) ->
     ax.legend(loc="best")
     ax.set_xlabel("round")
     ax.set_ylabel("test accuracy")
-    ax.set_title(title, fontsize=10)
+    ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)  # labels name threat model and observer: long
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
