@@ -23,10 +23,11 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.data import PARTITIONER_KINDS, load_cifar100, synthetic_splits
+from fedlora.data import PARTITIONER_KINDS, load_cifar100, load_fashion_mnist, synthetic_splits
 from fedlora.models import MODELS, adapted_layer_shapes
 
-DATASETS = ("synthetic", "cifar100")
+DATASETS = ("synthetic", "cifar100", "fashion-mnist")
+DATASET_CLASSES = {"cifar100": 100, "fashion-mnist": 10}  # num-classes must say the same
 OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the ServerApp writes,
 RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
 SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fedlora run`)
@@ -125,7 +126,8 @@ class RunConfig:
     probe_rounds: int = _opt(0, "head = probe: linear-probe rounds before LoRA (0: 20% of num-rounds)", low=0)
     probe_budget: float = _opt(0.2, "head = probe: share of target-epsilon spent by the probe phase", low=0.0,
                                high=1.0, low_open=True)
-    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline) or CIFAR-100 from the hub",
+    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline), CIFAR-100 from the hub, or Fashion-MNIST "
+                                     "(offline from `apt-get install dataset-fashion-mnist`, else the hub)",
                         choices=DATASETS)
     num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
     train_examples: int = _opt(20000, "synthetic train-split size", low=1)
@@ -238,8 +240,9 @@ class RunConfig:
             problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                             "LoRA rounds after it.")
         problems += self._lever_problems(algorithm)
-        if self.dataset == "cifar100" and self.num_classes != 100:
-            problems.append("CIFAR-100 has 100 classes: set num-classes = 100.")
+        if self.dataset in DATASET_CLASSES and self.num_classes != DATASET_CLASSES[self.dataset]:
+            problems.append(f"{self.dataset} has {DATASET_CLASSES[self.dataset]} classes: set num-classes = "
+                            f"{DATASET_CLASSES[self.dataset]}.")
         try:  # rank <= every adapted layer's sides; b <= m (SGMM), h <= m r (SGMV)
             check_layer_sizes(algorithm, adapted_layer_shapes(self.model, targets=self.targets).values(),
                               rank=self.rank, sketch_dim=self.effective_sketch_dim())
@@ -452,8 +455,10 @@ def run_config_of(values: dict[str, Any]) -> RunConfig:
 
 @lru_cache(maxsize=2)
 def load_splits(config: RunConfig):
-    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100 or the synthetic dataset."""
+    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100, Fashion-MNIST, or the synthetic dataset."""
     if config.dataset == "cifar100":
         return load_cifar100("train"), load_cifar100("test")
+    if config.dataset == "fashion-mnist":
+        return load_fashion_mnist("train"), load_fashion_mnist("test")
     return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.num_classes,
                             seed=config.seed)

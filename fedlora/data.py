@@ -1,8 +1,10 @@
-"""CIFAR-100 from the Hugging Face hub, synthetic CIFAR-like data in its schema, partitioners, transforms.
+"""CIFAR-100 from the Hugging Face hub, Fashion-MNIST (offline from Debian's package, or the hub), synthetic
+CIFAR-like data, all in one schema; partitioners, transforms.
 
 Every dataset here has CIFAR-100's hub schema (``uoft-cs/cifar100``): an ``img`` column of RGB images
-(32x32), a ``fine_label`` ClassLabel (100 classes) and a ``coarse_label`` ClassLabel (20). Code downstream
-therefore cannot tell real from synthetic data, and tests and offline runs use the latter.
+(32x32 for CIFAR; Fashion-MNIST's 28 x 28 grayscale as three equal channels, resized by the transforms
+like any image), a ``fine_label`` ClassLabel and a ``coarse_label``. Code downstream therefore cannot
+tell one dataset from another, and tests and offline runs use the synthetic one.
 
 Clients get their data from flwr-datasets partitioners over an in-memory ``datasets.Dataset``
 (``make_partitioner``, then ``load_partition``), and feed a model through ``to_torch`` and ``collate``.
@@ -111,6 +113,93 @@ def load_cifar100(split: str, *, cache_dir: str | os.PathLike[str] | None = None
             f"CIFAR-100 could not be loaded from the Hugging Face hub ({CIFAR100_HUB_ID}): {reason}; "
             'offline, use the synthetic dataset (dataset = "synthetic").'
         ) from err
+
+
+FASHION_MNIST_HUB_ID = "zalando-datasets/fashion_mnist"
+FASHION_MNIST_DIR_ENV = "FEDLORA_FASHION_MNIST_DIR"  # where the IDX files are, if not Debian's folder
+FASHION_MNIST_DEBIAN_DIR = Path("/usr/share/datasets/fashion-mnist")  # `apt-get install dataset-fashion-mnist`
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
+                         "Ankle boot")
+_FASHION_MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+                        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def fashion_mnist_dir() -> Path:
+    return Path(os.environ.get(FASHION_MNIST_DIR_ENV) or FASHION_MNIST_DEBIAN_DIR)
+
+
+def fashion_mnist_offline() -> bool:
+    """Whether the original IDX files (gzipped, as Debian ships them, or not) are in ``fashion_mnist_dir()``."""
+    folder = fashion_mnist_dir()
+    return all((folder / name).is_file() or (folder / f"{name}.gz").is_file()
+               for names in _FASHION_MNIST_FILES.values() for name in names)
+
+
+def fashion_mnist_unavailable_reason() -> str | None:
+    """None when Fashion-MNIST can be read (its files here, or the hub reachable), else one sentence naming both
+    ways to get it."""
+    if fashion_mnist_offline():
+        return None
+    hub = _hub_offline_reason()
+    if hub is None:
+        return None
+    return (f"Fashion-MNIST is not in {fashion_mnist_dir()} and the Hugging Face hub cannot be used ({hub}): install "
+            "it with `apt-get install dataset-fashion-mnist` (Debian; or put its four IDX files in a folder named "
+            f"by {FASHION_MNIST_DIR_ENV}), or go online for the hub's {FASHION_MNIST_HUB_ID}.")
+
+
+def load_fashion_mnist(split: str, *, cache_dir: str | os.PathLike[str] | None = None) -> datasets.Dataset:
+    """One split of Fashion-MNIST ("train": 60,000, "test": 10,000) in CIFAR-100's schema: read by torchvision's
+    FashionMNIST from the original IDX files (Debian's package, or ``FEDLORA_FASHION_MNIST_DIR``), else from the
+    Hugging Face hub (``zalando-datasets/fashion_mnist``: columns image and label). Raises
+    DatasetUnavailableError, naming both ways to get it, when neither is there."""
+    if split not in _FASHION_MNIST_FILES:
+        raise ValueError(f"Unknown split {split!r}; expected one of {', '.join(_FASHION_MNIST_FILES)}.")
+    if fashion_mnist_offline():
+        images, labels = _torchvision_fashion_mnist(split, cache_dir)
+    else:
+        if (reason := fashion_mnist_unavailable_reason()) is not None:
+            raise DatasetUnavailableError(reason)
+        try:
+            hub = datasets.load_dataset(FASHION_MNIST_HUB_ID, split=split, cache_dir=cache_dir)
+        except OSError as err:
+            raise DatasetUnavailableError(f"Fashion-MNIST could not be loaded from the hub ({_first_line(err)}); "
+                                          "offline, `apt-get install dataset-fashion-mnist`.") from err
+        images = np.stack([np.asarray(image.convert("L"), dtype=np.uint8) for image in hub["image"]])
+        labels = np.asarray(hub["label"], dtype=np.int64)
+    features = datasets.Features({**CIFAR100_FEATURES,
+                                  LABEL_COLUMN: datasets.ClassLabel(names=list(FASHION_MNIST_CLASSES)),
+                                  COARSE_LABEL_COLUMN: datasets.ClassLabel(names=list(FASHION_MNIST_CLASSES))})
+    rgb = np.repeat(images[..., None], 3, axis=-1)  # grayscale into the three channels every model here takes
+    return datasets.Dataset.from_dict({IMAGE_COLUMN: list(rgb), LABEL_COLUMN: labels, COARSE_LABEL_COLUMN: labels},
+                                      features=features)
+
+
+def _torchvision_fashion_mnist(split: str, cache_dir: str | os.PathLike[str] | None) -> tuple[np.ndarray, np.ndarray]:
+    """torchvision's reader over the IDX files: it wants them unpacked in ROOT/FashionMNIST/raw, so they are
+    unpacked once into a cache folder (the gzipped originals stay where the package put them)."""
+    import gzip
+    import shutil
+
+    from torchvision.datasets import FashionMNIST
+
+    root = Path(cache_dir or Path.home() / ".cache" / "fedlora") / "fashion-mnist"
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    source = fashion_mnist_dir()
+    for name in (n for names in _FASHION_MNIST_FILES.values() for n in names):  # torchvision checks all four
+        target = raw / name
+        if target.is_file():
+            continue
+        partial = target.with_suffix(".partial")  # another process may be unpacking the same file
+        if (source / name).is_file():
+            shutil.copyfile(source / name, partial)
+        else:
+            with gzip.open(source / f"{name}.gz", "rb") as packed, partial.open("wb") as out:
+                shutil.copyfileobj(packed, out)
+        partial.replace(target)
+    data = FashionMNIST(str(root), train=split == "train", download=False)
+    return data.data.numpy().astype(np.uint8), data.targets.numpy().astype(np.int64)
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")

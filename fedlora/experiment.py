@@ -249,10 +249,14 @@ def format_progress(row: dict, config: RunConfig) -> str:
 
 def check_before_start(config: RunConfig) -> None:
     """What the config alone cannot tell and can be known before any process starts: data reachability."""
+    from fedlora.data import fashion_mnist_unavailable_reason
     from fedlora.hub import offline_requested, unreachable_reason
 
     if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
-        raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\".")
+        raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\" or "
+                         "\"fashion-mnist\".")
+    if config.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
+        raise ValueError(reason)
 
 
 def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:

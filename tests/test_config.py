@@ -63,7 +63,7 @@ BAD_CONFIGS = [
     ({"threat-model": "secret-sketch", "noise-placement": "client", "sampling": "poisson"}, "fixed-size sampling only"),
     ({"sketch-secret": "node-file", "message": "adapter"}, "is for sketched strategies under threat-model"),
     ({"head": "probe", "num-rounds": 1}, "The linear-probe phase needs 1 to 0 rounds"),
-    ({"dataset": "cifar100"}, "CIFAR-100 has 100 classes"),
+    ({"dataset": "cifar100"}, "cifar100 has 100 classes: set num-classes = 100"),
     ({"model": "vit-huge"}, "model must be one of"),
 ]
 

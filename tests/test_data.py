@@ -340,3 +340,95 @@ def test_image_dir_rejects_a_missing_directory_and_a_foreign_pickle(tmp_path):
     (tmp_path / "train").write_bytes(b"not a pickle")
     with pytest.raises(ValueError, match="not CIFAR-100's pickled train file"):
         load_image_dir(tmp_path, num_classes=10)
+
+
+# Fashion-MNIST: the original IDX files (Debian's package), or the hub.
+
+def _write_idx(folder: Path, images: np.ndarray, labels: np.ndarray, prefix: str) -> None:
+    """IDX files as Zalando (and Debian) ship them, gzipped: magic 0x0803 / 0x0801, big-endian sizes, bytes."""
+    import gzip
+    import struct
+
+    with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as f:
+        f.write(struct.pack(">IIII", 0x803, *images.shape) + images.tobytes())
+    with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as f:
+        f.write(struct.pack(">II", 0x801, len(labels)) + labels.astype(np.uint8).tobytes())
+
+
+def test_fashion_mnist_is_read_from_idx_files_by_torchvision_into_the_common_schema(monkeypatch, tmp_path):
+    from fedlora.data import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR_ENV, load_fashion_mnist
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    train = rng.integers(0, 256, (12, 28, 28), dtype=np.uint8), np.arange(12) % 10
+    test = rng.integers(0, 256, (5, 28, 28), dtype=np.uint8), np.array([9, 0, 3, 3, 1])
+    _write_idx(folder, *train, "train")
+    _write_idx(folder, *test, "t10k")
+    monkeypatch.setenv(FASHION_MNIST_DIR_ENV, str(folder))
+    for split, (images, labels) in (("train", train), ("test", test)):
+        data = load_fashion_mnist(split, cache_dir=tmp_path / "cache")
+        assert data.features[LABEL_COLUMN].names == list(FASHION_MNIST_CLASSES)
+        assert data[LABEL_COLUMN] == labels.tolist()
+        pixels = np.stack([np.asarray(image) for image in data[IMAGE_COLUMN]])
+        assert pixels.shape == (len(labels), 28, 28, 3)  # grayscale into three equal channels
+        assert (pixels == images[..., None]).all()
+    batch = to_torch(data, 32)[:2]  # resized to the model's size like any image
+    assert batch["pixel_values"].shape == (2, 3, 32, 32)
+
+
+def test_fashion_mnist_from_the_hub_schema(monkeypatch, tmp_path):
+    """Without the IDX files, the hub's zalando-datasets/fashion_mnist (columns image, label) in the same schema."""
+    import fedlora.data as data_module
+    from fedlora.data import FASHION_MNIST_CLASSES, FASHION_MNIST_DIR_ENV, FASHION_MNIST_HUB_ID, load_fashion_mnist
+
+    monkeypatch.setenv(FASHION_MNIST_DIR_ENV, str(tmp_path))  # no files here
+    monkeypatch.setattr(data_module, "_hub_offline_reason", lambda: None)
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, (6, 28, 28), dtype=np.uint8)
+    hub = datasets.Dataset.from_dict(
+        {"image": [Image.fromarray(i, mode="L") for i in images], "label": [0, 1, 2, 7, 8, 9]},
+        features=datasets.Features({"image": datasets.Image(),
+                                    "label": datasets.ClassLabel(names=list(FASHION_MNIST_CLASSES))}))
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name, split, cache_dir=None: asked.append((name, split)) or hub)
+    data = load_fashion_mnist("test")
+    assert asked == [(FASHION_MNIST_HUB_ID, "test")] and data[LABEL_COLUMN] == [0, 1, 2, 7, 8, 9]
+    assert (np.stack([np.asarray(i) for i in data[IMAGE_COLUMN]]) == images[..., None]).all()
+
+
+def test_fashion_mnist_neither_here_nor_reachable_is_one_line_naming_both_ways(offline, monkeypatch, tmp_path,
+                                                                               capsys):
+    from fedlora.cli import main
+    from fedlora.data import FASHION_MNIST_DIR_ENV, load_fashion_mnist
+
+    monkeypatch.setenv(FASHION_MNIST_DIR_ENV, str(tmp_path))
+    with pytest.raises(DatasetUnavailableError) as info:
+        load_fashion_mnist("train")
+    assert "apt-get install dataset-fashion-mnist" in str(info.value) and "zalando-datasets/fashion_mnist" in \
+        str(info.value)
+    assert main(["run", "--set", "dataset=fashion-mnist", "--set", "num-classes=10", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "apt-get install dataset-fashion-mnist" in err
+    assert not (tmp_path / "r").exists()  # before any work
+    assert main(["run", "--set", "dataset=fashion-mnist", "--set", "num-classes=100"]) == 2  # contradicts the data
+    assert "fashion-mnist has 10 classes: set num-classes = 10" in capsys.readouterr().err
+
+
+def test_the_real_fashion_mnist(tmp_path):
+    """The real files, when this machine has them (CI installs Debian's package: there a missing file fails)."""
+    import os
+
+    from fedlora.data import fashion_mnist_offline, fashion_mnist_unavailable_reason, load_fashion_mnist
+
+    if not fashion_mnist_offline():
+        message = (fashion_mnist_unavailable_reason() or "Fashion-MNIST's IDX files are missing") + \
+            " (CI installs dataset-fashion-mnist in .ci/run)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    test = load_fashion_mnist("test", cache_dir=tmp_path)
+    train = load_fashion_mnist("train", cache_dir=tmp_path)
+    assert (len(train), len(test)) == (60000, 10000)
+    assert np.bincount(test[LABEL_COLUMN]).tolist() == [1000] * 10
+    assert train[0][LABEL_COLUMN] == 9 and test[0][LABEL_COLUMN] == 9  # an ankle boot opens both, as published
