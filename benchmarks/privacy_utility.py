@@ -219,7 +219,7 @@ def write_results(runs: list[dict], done: dict) -> None:
         print("privacy_utility: no finished runs yet.")
         return
     config: RunConfig = runs[0]["config"]
-    chance = 1 / config.num_classes
+    chance = 1 / config.classes
     rows = []
     for (part, strategy, placement, eps, n), results in groups.items():
         mean, spread = _summary([r["accuracy"][-1] for r in results])
@@ -244,7 +244,7 @@ def write_results(runs: list[dict], done: dict) -> None:
              f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in privacy_utility.json; "
              "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
-             f"Setting: the quickstart ({config.dataset} data, {config.num_classes} classes, {config.model}, "
+             f"Setting: the quickstart ({config.dataset} data, {config.classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps}, clip {config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
              "FFA strategies send updates applied by server SGD, FlexLoRA strategies send adapters. Final test "

@@ -143,11 +143,11 @@ def write_table(runs: list[dict], done: dict, args) -> None:
     lines = ["# Private levers: placement, update form, adaptive clipping", "",
              f"Command: `{command_line('benchmarks.private_levers')}`  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}  ",
-             f"Setting: the first quickstart, configs/small_cohort.toml ({config.dataset} data, {config.num_classes} classes, {config.model} at random "
+             f"Setting: the first quickstart, configs/small_cohort.toml ({config.dataset} data, {config.classes} classes, {config.model} at random "
              f"init, K = {config.local_steps}, batch {config.batch_size}, lr {config.lr:g}, r = {config.rank}, "
              f"clip norm {config.clip_norm:g} (the start, with adaptive clipping), target epsilon "
              f"{config.target_epsilon:g}, delta {config.delta:g}, fixed-size sampling) with C and N as given; final "
-             f"test accuracy after T rounds, mean (each seed); chance is {1 / config.num_classes:.2f}. Update runs use "
+             f"test accuracy after T rounds, mean (each seed); chance is {1 / config.classes:.2f}. Update runs use "
              "server momentum 0.9 at server lr 1 (DP-FedAvg's, not tuned); adaptive clipping uses Andrew et al.'s "
              "defaults (step 0.2, count noise N / 20), and the update's noise is raised to pay for the count.",
              "", "| " + " | ".join(h.replace("_", " ") for h in header) + " |", "|" + "---|" * len(header),

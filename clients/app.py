@@ -55,7 +55,7 @@ def _partitioner(config: RunConfig, num_partitions: int):
 @lru_cache(maxsize=64)
 def _local_data(config: RunConfig, node: NodeSettings):
     """The node's training data: its own images (data-dir), else its partition of the run's dataset."""
-    data = (load_image_dir(node.data_dir, num_classes=config.num_classes) if node.data_dir
+    data = (load_image_dir(node.data_dir, num_classes=config.classes) if node.data_dir
             else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
     return to_torch(data, model_spec(config.model).image_size, train=True)
 

@@ -131,7 +131,7 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
         return
     args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
     args.preset_model = config.model
-    args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.num_classes, \
+    args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.classes, \
         config.head
     algorithm = get_algorithm(config.strategy)
     if algorithm.sketched:

@@ -23,7 +23,17 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.data import PARTITIONER_KINDS, load_cifar100, load_fashion_mnist, synthetic_splits
+from fedlora.data import (
+    FOLDER_PREFIX,
+    HUB_PREFIX,
+    PARTITIONER_KINDS,
+    dataset_classes,
+    is_user_dataset,
+    load_cifar100,
+    load_fashion_mnist,
+    load_user_dataset,
+    synthetic_splits,
+)
 from fedlora.models import MODELS, adapted_layer_shapes
 
 DATASETS = ("synthetic", "cifar100", "fashion-mnist")
@@ -126,10 +136,13 @@ class RunConfig:
     probe_rounds: int = _opt(0, "head = probe: linear-probe rounds before LoRA (0: 20% of num-rounds)", low=0)
     probe_budget: float = _opt(0.2, "head = probe: share of target-epsilon spent by the probe phase", low=0.0,
                                high=1.0, low_open=True)
-    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline), CIFAR-100 from the hub, or Fashion-MNIST "
-                                     "(offline from `apt-get install dataset-fashion-mnist`, else the hub)",
-                        choices=DATASETS)
-    num_classes: int = _opt(10, "classes of the synthetic dataset (CIFAR-100 has 100)", low=2)
+    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline), CIFAR-100 from the hub, Fashion-MNIST "
+                                     "(offline from `apt-get install dataset-fashion-mnist`, else the hub), any "
+                                     "Hugging Face image-classification dataset as hf:<id>, or a folder with one "
+                                     "subfolder of images per class as folder:<path>")
+    image_column: str = _opt("", "an hf: or folder: dataset's image column (empty: its one Image feature)")
+    label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label)")
+    num_classes: int = _opt(0, "classes (0: the data's; synthetic data has 10 unless set)", low=0)
     train_examples: int = _opt(20000, "synthetic train-split size", low=1)
     test_examples: int = _opt(1000, "synthetic test-split size", low=1)
     model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
@@ -186,6 +199,12 @@ class RunConfig:
             raise ConfigError(problems)
         return config
 
+    @property
+    def classes(self) -> int:
+        """The run's number of classes: num-classes, else the data's (read off the data for hf: and folder:)."""
+        return self.num_classes or dataset_classes(self.dataset, image_column=self.image_column,
+                                                   label_column=self.label_column)
+
     def validate(self) -> None:
         """Raises ConfigError naming every problem, if there is one."""
         problems = self.problems()
@@ -205,6 +224,16 @@ class RunConfig:
                 problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
             elif high is not None and (value > high or (meta["high_open"] and value == high)):
                 problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {high:g}, got {value}.")
+        if not (self.dataset in DATASETS or is_user_dataset(self.dataset)) or self.dataset in (HUB_PREFIX,
+                                                                                                  FOLDER_PREFIX):
+            near = difflib.get_close_matches(self.dataset, DATASETS, n=1)
+            problems.append(f"dataset must be one of {', '.join(DATASETS)}, hf:<id> or folder:<path>, got "
+                            f"'{self.dataset}'" + (f"; did you mean '{near[0]}'?" if near else "."))
+        elif (self.image_column or self.label_column) and not is_user_dataset(self.dataset):
+            problems.append(f"image-column and label-column name the columns of an hf: or folder: dataset; "
+                            f"{self.dataset} has its own.")
+        if self.num_classes == 1:
+            problems.append("num-classes must be 0 (the data's) or at least 2, got 1.")
         if problems:  # the cross-constraints below assume every field is in range
             return problems
         algorithm = get_algorithm(self.strategy)
@@ -240,9 +269,9 @@ class RunConfig:
             problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                             "LoRA rounds after it.")
         problems += self._lever_problems(algorithm)
-        if self.dataset in DATASET_CLASSES and self.num_classes != DATASET_CLASSES[self.dataset]:
+        if self.num_classes and self.dataset in DATASET_CLASSES and self.num_classes != DATASET_CLASSES[self.dataset]:
             problems.append(f"{self.dataset} has {DATASET_CLASSES[self.dataset]} classes: set num-classes = "
-                            f"{DATASET_CLASSES[self.dataset]}.")
+                            f"{DATASET_CLASSES[self.dataset]} (or 0, the data's).")
         try:  # rank <= every adapted layer's sides; b <= m (SGMM), h <= m r (SGMV)
             check_layer_sizes(algorithm, adapted_layer_shapes(self.model, targets=self.targets).values(),
                               rank=self.rank, sketch_dim=self.effective_sketch_dim())
@@ -455,10 +484,13 @@ def run_config_of(values: dict[str, Any]) -> RunConfig:
 
 @lru_cache(maxsize=2)
 def load_splits(config: RunConfig):
-    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100, Fashion-MNIST, or the synthetic dataset."""
+    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100, Fashion-MNIST, the user's own, or the synthetic
+    dataset."""
+    if is_user_dataset(config.dataset):
+        return load_user_dataset(config.dataset, image_column=config.image_column, label_column=config.label_column)
     if config.dataset == "cifar100":
         return load_cifar100("train"), load_cifar100("test")
     if config.dataset == "fashion-mnist":
         return load_fashion_mnist("train"), load_fashion_mnist("test")
-    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.num_classes,
+    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.classes,
                             seed=config.seed)

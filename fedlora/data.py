@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import pickle
 from collections.abc import Iterator, Sequence
@@ -74,6 +75,7 @@ VIT_MEAN = (0.5, 0.5, 0.5)
 VIT_STD = (0.5, 0.5, 0.5)
 
 SYNTHETIC_SPLITS = ("train", "test")
+SYNTHETIC_CLASSES = 10  # num-classes = 0 (the data's) on synthetic data
 PARTITIONER_KINDS = ("iid", "dirichlet", "pathological")
 
 # flwr-datasets redraws the whole Dirichlet split while any partition is smaller than this and raises
@@ -204,6 +206,146 @@ def _torchvision_fashion_mnist(split: str, cache_dir: str | os.PathLike[str] | N
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".webp")
 
+HUB_PREFIX, FOLDER_PREFIX = "hf:", "folder:"  # dataset = "hf:<id>" or "folder:<path>": the user's own data
+HELD_OUT_FRACTION = 0.1  # of the train split, held out as the test split when the data has none
+HELD_OUT_SEED = 0  # the same held-out images whatever the run's seed, so that seeds compare on one test set
+_LABEL_NAMES = ("label", "labels", "fine_label")  # integer label columns recognized without a ClassLabel
+
+
+def is_user_dataset(name: str) -> bool:
+    return name.startswith((HUB_PREFIX, FOLDER_PREFIX))
+
+
+@functools.lru_cache(maxsize=4)
+def load_user_dataset(name: str, *, image_column: str = "", label_column: str = "") -> tuple[datasets.Dataset,
+                                                                                              datasets.Dataset]:
+    """(train, test) of the user's own image-classification data, in CIFAR-100's schema: a Hugging Face dataset
+    ("hf:<id>", read by ``datasets.load_dataset``) or a folder with one subfolder of images per class
+    ("folder:<path>", read by the ``imagefolder`` builder; ``train/`` and ``test/`` subfolders, if there, are the
+    splits). The image column is the one Image feature, the label column the one ClassLabel (else an integer
+    column named label, labels or fine_label), unless named. Without a test (or validation) split, a stratified
+    ``HELD_OUT_FRACTION`` of train is held out. Raises ValueError, one sentence, on anything that cannot be used."""
+    with _quiet_datasets():
+        if name.startswith(HUB_PREFIX):
+            raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
+        else:
+            raw = _folder_dataset(Path(name.removeprefix(FOLDER_PREFIX)).expanduser())
+        return _common_splits(name, raw, image_column, label_column)
+
+
+def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str,
+                   label_column: str) -> tuple[datasets.Dataset, datasets.Dataset]:
+    train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
+    if train is None:
+        raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
+    image, label = _image_column(name, train, image_column), _label_column(name, train, label_column)
+    held_out = next((raw[s] for s in ("test", "validation") if s in raw), None)
+    if isinstance(train.features[label], datasets.ClassLabel):
+        names = list(train.features[label].names)
+    else:
+        values = set(train.unique(label))
+        if not all(isinstance(v, int) and v >= 0 for v in values):
+            raise ValueError(f"{name}'s label column '{label}' holds {sorted(values, key=str)[:3]}...: labels must "
+                             "be a ClassLabel or integers 0..K-1.")
+        names = [str(i) for i in range(max(values) + 1)]
+    if len(names) < 2:
+        raise ValueError(f"{name} has {len(names)} class; a classifier needs at least 2.")
+    counts = np.bincount(np.asarray(train[label], dtype=np.int64), minlength=len(names))
+    if (empty := [names[i] for i in np.flatnonzero(counts == 0)]):
+        raise ValueError(f"{name} has no training images of class {', '.join(map(repr, empty[:5]))}"
+                         f"{' and others' if len(empty) > 5 else ''}: remove the class or add images.")
+    features = datasets.Features({IMAGE_COLUMN: datasets.Image(mode="RGB"),  # grayscale and RGBA become RGB
+                                  LABEL_COLUMN: datasets.ClassLabel(names=names),
+                                  COARSE_LABEL_COLUMN: datasets.ClassLabel(names=names)})
+
+    def common_schema(split: datasets.Dataset) -> datasets.Dataset:
+        if image not in split.column_names or label not in split.column_names:
+            raise ValueError(f"{name}'s test split lacks the columns '{image}' and '{label}' of its train split.")
+        split = split.select_columns([image, label]).rename_columns({image: IMAGE_COLUMN, label: LABEL_COLUMN})
+        split = split.cast_column(IMAGE_COLUMN, datasets.Image(mode="RGB"))
+        split = split.cast_column(LABEL_COLUMN, features[LABEL_COLUMN])
+        return split.add_column(COARSE_LABEL_COLUMN, split[LABEL_COLUMN]).cast(features)
+
+    train = common_schema(train)
+    if held_out is None:
+        stratified = counts.min() >= 2 and math.ceil(HELD_OUT_FRACTION * len(train)) >= len(names)
+        parts = train.train_test_split(test_size=HELD_OUT_FRACTION, seed=HELD_OUT_SEED,
+                                       stratify_by_column=LABEL_COLUMN if stratified else None)
+        return parts["train"], parts["test"]
+    return train, common_schema(held_out)
+
+
+def _hub_dataset(hub_id: str) -> datasets.DatasetDict:
+    offline_reason = _hub_offline_reason()
+    try:
+        with _datasets_offline() if offline_reason else contextlib.nullcontext():
+            raw = datasets.load_dataset(hub_id)
+    except (OSError, ValueError) as err:  # unreachable, unknown id (DatasetNotFoundError), a config to choose
+        reason = f"{offline_reason} and no cached copy was found" if offline_reason else _first_line(err)
+        raise DatasetUnavailableError(f"hf:{hub_id} could not be loaded from the Hugging Face hub: {reason}; a "
+                                      "local copy works as dataset = \"folder:<path>\" (one subfolder per class).") \
+            from err
+    return raw
+
+
+def _folder_dataset(root: Path) -> datasets.DatasetDict:
+    """The imagefolder builder over ``root``, once every class folder is checked to hold images (the builder
+    would silently drop an empty class, and with it a label)."""
+    if not root.is_dir():
+        raise ValueError(f"folder:{root} is not a directory.")
+    splits = [d for d in (root / "train", root / "test") if d.is_dir()]
+    for split in splits or [root]:
+        classes = sorted(d for d in split.iterdir() if d.is_dir())
+        if not classes:
+            raise ValueError(f"folder:{split} has no class subfolders: put each class's images in a subfolder named "
+                             "after the class.")
+        if len(classes) < 2:
+            raise ValueError(f"folder:{split} has 1 class subfolder; a classifier needs at least 2.")
+        for folder in classes:
+            if not any(f.suffix.lower() in IMAGE_SUFFIXES for f in folder.rglob("*") if f.is_file()):
+                raise ValueError(f"Class folder '{folder}' holds no images ({', '.join(IMAGE_SUFFIXES)}).")
+    return datasets.load_dataset("imagefolder", data_dir=str(root))
+
+
+def _image_column(name: str, train: datasets.Dataset, chosen: str) -> str:
+    if chosen:
+        if chosen not in train.column_names:
+            raise ValueError(f"{name} has no column '{chosen}' (image-column); its columns: "
+                             f"{', '.join(train.column_names)}.")
+        return chosen
+    images = [c for c, f in train.features.items() if isinstance(f, datasets.Image)]
+    if len(images) != 1:
+        raise ValueError(f"{name} has {len(images) or 'no'} image columns ({', '.join(images) or 'columns: ' + ', '.join(train.column_names)}): "
+                         "set image-column.")
+    return images[0]
+
+
+def _label_column(name: str, train: datasets.Dataset, chosen: str) -> str:
+    if chosen:
+        if chosen not in train.column_names:
+            raise ValueError(f"{name} has no column '{chosen}' (label-column); its columns: "
+                             f"{', '.join(train.column_names)}.")
+        return chosen
+    labels = [c for c, f in train.features.items() if isinstance(f, datasets.ClassLabel)]
+    if len(labels) > 1:
+        labels = [c for c in labels if c in _LABEL_NAMES] or labels
+    if not labels:
+        labels = [c for c in _LABEL_NAMES if c in train.column_names]
+    if len(labels) != 1:
+        raise ValueError(f"{name} has {'several' if labels else 'no'} label columns ({', '.join(labels or train.column_names)}): "
+                         "set label-column.")
+    return labels[0]
+
+
+def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "") -> int:
+    """How many classes a dataset has: fixed for the built-in ones, read off the data for the user's own."""
+    if is_user_dataset(dataset):
+        train, _ = load_user_dataset(dataset, image_column=image_column, label_column=label_column)
+        return train.features[LABEL_COLUMN].num_classes
+    return {"cifar100": len(FINE_LABEL_NAMES), "fashion-mnist": len(FASHION_MNIST_CLASSES)}.get(dataset,
+                                                                                                SYNTHETIC_CLASSES)
+
+
 
 def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> datasets.Dataset:
     """A device's own images, in CIFAR-100's schema: CIFAR-100's python format or an ImageFolder layout.
@@ -266,6 +408,18 @@ def _hub_offline_reason() -> str | None:
     if offline_requested() or datasets.config.HF_HUB_OFFLINE:
         return "offline mode is on (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE)"
     return unreachable_reason()
+
+
+@contextlib.contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """No progress bars from datasets while it reads and casts a user's dataset (the run prints its own)."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
 
 
 @contextlib.contextmanager

@@ -197,7 +197,7 @@ class RunRecorder:
         privacy = (f"{label}, z = {self.protocol.noise_multiplier:.3g}, epsilon = {epsilon:.3g}"
                    if self.protocol.algorithm.private else "not private")
         plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
-                      chance=1 / self.config.num_classes)
+                      chance=1 / self.config.classes)
 
 
 def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> tuple[float, float]:
@@ -249,7 +249,7 @@ def format_progress(row: dict, config: RunConfig) -> str:
 
 def check_before_start(config: RunConfig) -> None:
     """What the config alone cannot tell and can be known before any process starts: data reachability."""
-    from fedlora.data import fashion_mnist_unavailable_reason
+    from fedlora.data import dataset_classes, fashion_mnist_unavailable_reason, is_user_dataset
     from fedlora.hub import offline_requested, unreachable_reason
 
     if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
@@ -257,6 +257,11 @@ def check_before_start(config: RunConfig) -> None:
                          "\"fashion-mnist\".")
     if config.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
         raise ValueError(reason)
+    if is_user_dataset(config.dataset):  # read now (cached for the run): a bad column or class is one line here
+        found = dataset_classes(config.dataset, image_column=config.image_column, label_column=config.label_column)
+        if config.num_classes and config.num_classes != found:
+            raise ValueError(f"{config.dataset} has {found} classes, but num-classes = {config.num_classes}: set "
+                             f"num-classes = {found}, or 0 (the data's).")
 
 
 def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:

@@ -130,7 +130,7 @@ class Protocol:
     def build_model(self, rank: int | None = None):
         """A client's model: the shared seeded backbone with LoRA of ``rank`` (alpha scaled so alpha / r is fixed)."""
         rank = rank or self.config.rank
-        return build_lora_model(self.config.model, num_classes=self.config.num_classes, rank=rank,
+        return build_lora_model(self.config.model, num_classes=self.config.classes, rank=rank,
                                 alpha=self.config.lora_alpha * rank / self.config.rank, targets=self.config.targets,
                                 mode=self.mode, seed=self.config.seed, train_head=self.config.head != "frozen")
 

@@ -63,7 +63,14 @@ BAD_CONFIGS = [
     ({"threat-model": "secret-sketch", "noise-placement": "client", "sampling": "poisson"}, "fixed-size sampling only"),
     ({"sketch-secret": "node-file", "message": "adapter"}, "is for sketched strategies under threat-model"),
     ({"head": "probe", "num-rounds": 1}, "The linear-probe phase needs 1 to 0 rounds"),
-    ({"dataset": "cifar100"}, "cifar100 has 100 classes: set num-classes = 100"),
+    ({"dataset": "cifar100", "num-classes": 10}, "cifar100 has 100 classes: set num-classes = 100 (or 0, the data's)."),
+    ({"dataset": "cifar-100"}, "dataset must be one of synthetic, cifar100, fashion-mnist, hf:<id> or folder:<path>, "
+                               "got 'cifar-100'; did you mean 'cifar100'?"),
+    ({"dataset": "folder:"}, "dataset must be one of synthetic, cifar100, fashion-mnist, hf:<id> or folder:<path>, "
+                             "got 'folder:'."),
+    ({"label-column": "y"}, "image-column and label-column name the columns of an hf: or folder: dataset; synthetic "
+                            "has its own."),
+    ({"num-classes": 1}, "num-classes must be 0 (the data's) or at least 2, got 1."),
     ({"model": "vit-huge"}, "model must be one of"),
 ]
 

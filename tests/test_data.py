@@ -432,3 +432,151 @@ def test_the_real_fashion_mnist(tmp_path):
     assert (len(train), len(test)) == (60000, 10000)
     assert np.bincount(test[LABEL_COLUMN]).tolist() == [1000] * 10
     assert train[0][LABEL_COLUMN] == 9 and test[0][LABEL_COLUMN] == 9  # an ankle boot opens both, as published
+
+
+# The user's own data: hf:<id> and folder:<path>.
+
+
+@pytest.fixture
+def fresh_user_datasets():
+    from fedlora.data import load_user_dataset
+
+    load_user_dataset.cache_clear()
+    yield
+    load_user_dataset.cache_clear()
+
+
+def image_folder(root: Path, counts: dict[str, int], *, gray: str | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    for name, count in counts.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(count):
+            shape = (20, 24) if name == gray else (20, 24, 3)
+            Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+def test_a_folder_with_one_subfolder_per_class_in_the_common_schema(tmp_path, fresh_user_datasets):
+    """Classes follow the folders (sorted names), grayscale becomes RGB, and without a test split a stratified
+    tenth of train is held out, the same for every run seed."""
+    from fedlora.config import load_config, load_splits
+    from fedlora.data import HELD_OUT_FRACTION, dataset_classes, load_user_dataset
+
+    root = image_folder(tmp_path / "pets", {"cat": 10, "dog": 10, "fox": 10}, gray="fox")
+    train, test = load_user_dataset(f"folder:{root}")
+    assert train.features[LABEL_COLUMN].names == ["cat", "dog", "fox"] and dataset_classes(f"folder:{root}") == 3
+    assert set(train.column_names) == {IMAGE_COLUMN, LABEL_COLUMN, COARSE_LABEL_COLUMN}
+    assert (len(train), len(test)) == (27, 3) and len(test) == round(30 * HELD_OUT_FRACTION)
+    assert sorted(test[LABEL_COLUMN]) == [0, 1, 2]  # stratified
+    assert {image.mode for image in train[IMAGE_COLUMN]} == {"RGB"}
+    assert to_torch(train, 32)[:2]["pixel_values"].shape == (2, 3, 32, 32)
+    config = load_config(None, [f"dataset=folder:{root}", "seed=7"])
+    assert config.classes == 3 and load_splits(config)[1][LABEL_COLUMN] == test[LABEL_COLUMN]
+
+
+def test_a_folder_with_train_and_test_subfolders_keeps_its_splits(tmp_path, fresh_user_datasets):
+    from fedlora.data import load_user_dataset
+
+    image_folder(tmp_path / "train", {"a": 4, "b": 5})
+    image_folder(tmp_path / "test", {"a": 2, "b": 1})
+    train, test = load_user_dataset(f"folder:{tmp_path}")
+    assert (len(train), len(test)) == (9, 3) and sorted(test[LABEL_COLUMN]) == [0, 0, 1]
+
+
+def hub_dict(labels: list[int], *, names: list[str] | None, image="image", label="label", test=True):
+    rng = np.random.default_rng(2)
+    label_feature = datasets.ClassLabel(names=names) if names else datasets.Value("int64")
+    features = datasets.Features({image: datasets.Image(), label: label_feature, "id": datasets.Value("int64")})
+
+    def split(ys):
+        return datasets.Dataset.from_dict(
+            {image: [Image.fromarray(rng.integers(0, 256, (8, 8), dtype=np.uint8), mode="L") for _ in ys],
+             label: ys, "id": list(range(len(ys)))}, features=features)
+
+    return datasets.DatasetDict({"train": split(labels), **({"test": split(labels[:4])} if test else {})})
+
+
+def test_a_hub_dataset_by_id_with_its_columns_detected_or_named(monkeypatch, fresh_user_datasets):
+    """hf:<id> goes through datasets.load_dataset; the Image and ClassLabel columns are found by their features,
+    others named by image-column / label-column."""
+    import fedlora.data as data_module
+    from fedlora.data import load_user_dataset
+
+    monkeypatch.setattr(data_module, "_hub_offline_reason", lambda: None)
+    hubs = {"me/clothes": hub_dict([0, 1, 2] * 4, names=["hat", "sock", "shoe"]),
+            "me/plain": hub_dict([0, 1, 0, 1, 1, 0], names=None, image="pic", label="y", test=False)}
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: asked.append(name) or hubs[name])
+    train, test = load_user_dataset("hf:me/clothes")
+    assert asked == ["me/clothes"] and (len(train), len(test)) == (12, 4)
+    assert train.features[LABEL_COLUMN].names == ["hat", "sock", "shoe"] and train[IMAGE_COLUMN][0].mode == "RGB"
+    with pytest.raises(ValueError, match=r"^hf:me/plain has no label columns \(pic, y, id\): set label-column\.$"):
+        load_user_dataset("hf:me/plain")  # integers in a column of no known name
+    train, test = load_user_dataset("hf:me/plain", label_column="y")
+    assert train.features[LABEL_COLUMN].names == ["0", "1"] and len(train) + len(test) == 6
+
+
+def test_a_hub_dataset_with_two_image_columns_needs_image_column(monkeypatch, fresh_user_datasets):
+    import fedlora.data as data_module
+    from fedlora.data import load_user_dataset
+
+    monkeypatch.setattr(data_module, "_hub_offline_reason", lambda: None)
+    image = Image.fromarray(np.zeros((8, 8), dtype=np.uint8), mode="L")
+    hub = datasets.DatasetDict({"train": datasets.Dataset.from_dict(
+        {"image": [image] * 6, "mask": [image] * 6, "label": [0, 1] * 3},
+        features=datasets.Features({"image": datasets.Image(), "mask": datasets.Image(),
+                                    "label": datasets.ClassLabel(names=["a", "b"])}))})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: hub)
+    with pytest.raises(ValueError) as info:
+        load_user_dataset("hf:me/masks")
+    assert str(info.value) == "hf:me/masks has 2 image columns (image, mask): set image-column."
+    assert sum(map(len, load_user_dataset("hf:me/masks", image_column="mask"))) == 6
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda root: image_folder(root, {"a": 3}) and (root / "b").mkdir(),
+     r"Class folder '.*/b' holds no images \(\.png"),
+    (lambda root: image_folder(root, {"a": 3}) and (root / "notes").mkdir() or (root / "notes" / "x.txt").write_text(""),
+     r"Class folder '.*/notes' holds no images"),
+    (lambda root: root.mkdir() or (root / "x.png").write_bytes(b""), r"has no class subfolders"),
+    (lambda root: None, r"is not a directory"),
+    (lambda root: image_folder(root, {"only": 3}), r"has 1 class subfolder; a classifier needs at least 2"),
+])
+def test_folders_that_cannot_be_used_are_one_line_each(tmp_path, make, message, fresh_user_datasets):
+    from fedlora.data import load_user_dataset
+
+    make(tmp_path / "data")
+    with pytest.raises(ValueError, match=message) as info:
+        load_user_dataset(f"folder:{tmp_path / 'data'}")
+    assert "\n" not in str(info.value)
+
+
+def test_a_hub_class_without_training_images_is_refused(monkeypatch, fresh_user_datasets):
+    import fedlora.data as data_module
+    from fedlora.data import load_user_dataset
+
+    monkeypatch.setattr(data_module, "_hub_offline_reason", lambda: None)
+    hub = hub_dict([0, 2, 0, 2], names=["a", "b", "c"])
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: hub)
+    with pytest.raises(ValueError, match=r"hf:me/gappy has no training images of class 'b': remove the class"):
+        load_user_dataset("hf:me/gappy")
+
+
+def test_bad_user_data_stops_the_cli_before_any_work(tmp_path, capsys, offline, fresh_user_datasets):
+    """Unknown dataset, unknown hub id offline, a missing column, num-classes that contradicts the data: one
+    line each, exit 2, no run folder."""
+    from fedlora.cli import main
+
+    root = image_folder(tmp_path / "pets", {"cat": 3, "dog": 3})
+    out = tmp_path / "run"
+    cases = [(["dataset=fashion_mnist"], "dataset must be one of synthetic, cifar100, fashion-mnist, hf:<id> or "
+                                          "folder:<path>, got 'fashion_mnist'; did you mean 'fashion-mnist'?"),
+             (["dataset=hf:nobody/nothing"], "hf:nobody/nothing could not be loaded from the Hugging Face hub"),
+             ([f"dataset=folder:{root}", "label-column=kind"], "has no column 'kind' (label-column)"),
+             ([f"dataset=folder:{root}", "num-classes=10"], "has 2 classes, but num-classes = 10: set num-classes = 2"),
+             (["image-column=pixels"], "image-column and label-column name the columns of an hf: or folder: dataset")]
+    for assignments, message in cases:
+        assert main(["run", *[a for s in assignments for a in ("--set", s)], "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not out.exists()
