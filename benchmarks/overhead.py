@@ -29,7 +29,7 @@ from fedlora.data import load_partition, make_partitioner, to_torch
 from fedlora.federation import Protocol, derive_seed
 from fedlora.launch import run_simulation
 from fedlora.models import model_spec
-from fedlora.training import local_sgd
+from fedlora.training import local_train
 
 GOAL_RATIO, GOAL_MEMORY = 1.10, 0.10
 STORE = RESULTS / "overhead.json"
@@ -54,8 +54,9 @@ def bare_rounds(config: RunConfig, rounds: int) -> list[float]:
         start = time.perf_counter()
         for pid in clients[:config.clients_per_round].tolist():
             data = to_torch(load_partition(partitioner, pid), size, train=True)
-            local_sgd(model, data, steps=config.local_steps, batch_size=config.batch_size, lr=config.lr,
-                      generator=torch.Generator().manual_seed(derive_seed(config.seed, "batches", round_, pid)))
+            local_train(model, data, steps=config.local_steps, batch_size=config.batch_size, lr=config.lr,
+                        optimizer=config.local_optimizer,
+                        generator=torch.Generator().manual_seed(derive_seed(config.seed, "batches", round_, pid)))
         times.append(time.perf_counter() - start)
     return times
 

@@ -36,10 +36,10 @@ def main() -> None:
                                   "test-examples=2000", f"num-rounds={args.rounds}", "eval-every=1"])
     print(machine(), flush=True)
     started, trained = time.time(), [0]
-    local_sgd = federation.local_sgd
+    local_train = federation.local_train
 
     def counted(*a, **kw):
-        loss = local_sgd(*a, **kw)
+        loss = local_train(*a, **kw)
         trained[0] += 1
         if trained[0] % 100 == 0:
             memory = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
@@ -47,7 +47,7 @@ def main() -> None:
                   flush=True)
         return loss
 
-    federation.local_sgd = counted  # the name Protocol.local_round calls
+    federation.local_train = counted  # the name Protocol.local_round calls
     with tempfile.TemporaryDirectory() as tmp:
         run_inprocess(config, Path(tmp) / "run", echo=lambda line: print(line, flush=True))
     print(f"{args.rounds} round(s) of {config.clients_per_round} clients in {time.time() - started:.1f} s", flush=True)

@@ -362,7 +362,11 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     return out_dir
 
 
-def _done(rows: list[dict], out_dir) -> None:
+REAL_DATA_NEXT = ("real images: `fedlora run --config fashion_mnist` (Fashion-MNIST, offline after `sudo apt-get install "
+                  "dataset-fashion-mnist`; README, \"Real data\")")
+
+
+def _done(rows: list[dict], out_dir, config) -> None:
     from fedlora.checkpoint import BUDGET_SPENT, Checkpoint
 
     saved = Checkpoint.load(out_dir)
@@ -377,6 +381,8 @@ def _done(rows: list[dict], out_dir) -> None:
               f"secret: on a node, `fedlora reconstruct {out_dir} --sketch-secret-file PATH` writes the adapter")
     else:
         print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
+    if config.dataset == "synthetic":  # the quickstart's data: say where real images are
+        print(REAL_DATA_NEXT)
 
 
 def run(args: argparse.Namespace) -> None:
@@ -391,7 +397,7 @@ def run(args: argparse.Namespace) -> None:
         raise CLIError('sketch-secret = "node-file" needs SuperNodes that hold the secret: use `fedlora deploy`; '
                        "simulations derive it from the run seed.")
     out_dir = _prepare(args, config, "run")
-    _done(run_simulation(config, out_dir), out_dir)
+    _done(run_simulation(config, out_dir), out_dir, config)
 
 
 def resume(args: argparse.Namespace) -> None:
@@ -399,7 +405,7 @@ def resume(args: argparse.Namespace) -> None:
     from fedlora.launch import run_simulation
 
     out_dir, config, _ = _resumable(args, "run")
-    _done(run_simulation(config, out_dir, resume=True), out_dir)
+    _done(run_simulation(config, out_dir, resume=True), out_dir, config)
 
 
 def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):
@@ -448,7 +454,7 @@ def deploy(args: argparse.Namespace) -> None:
     if args.resume:
         out_dir, config, credentials = _resumable(args, "deploy", check=deployment_credentials)
         print(f"  security: {_security(credentials)}")
-        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True), out_dir)
+        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True), out_dir, config)
         return
     given = dict(parse_assignment(a) for a in args.set)
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
@@ -479,7 +485,7 @@ def deploy(args: argparse.Namespace) -> None:
     elif not args.insecure:
         credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
     print(f"  security: {_security(credentials)}")
-    _done(deploy_locally(config, out_dir, credentials=credentials), out_dir)
+    _done(deploy_locally(config, out_dir, credentials=credentials), out_dir, config)
 
 
 def _security(credentials) -> str:
@@ -631,10 +637,14 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--out", help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 
-    pt = commands.add_parser("pretrain", help="rebuild the offline public backbone (vit-tiny-public) and print its "
-                                              "sha256")
-    pt.add_argument("--out", help="where to write it (default: the packaged file the vit-tiny-public model loads)")
-    pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default 1000)")
+    pt = commands.add_parser("pretrain", help="rebuild an offline public backbone (vit-tiny-public from synthetic "
+                                              "public classes, vit-tiny-fashion-public from Fashion-MNIST's public "
+                                              "split) and print its sha256")
+    pt.add_argument("--dataset", default="synthetic", choices=("synthetic", "fashion-mnist"),
+                    help="the public data (default: synthetic, for vit-tiny-public)")
+    pt.add_argument("--out", help="where to write it (default: the packaged file its model loads)")
+    pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default: the recipe's, 1000 on "
+                                                                   "synthetic, 2000 on fashion-mnist)")
 
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
@@ -687,8 +697,10 @@ def main(argv: list[str] | None = None) -> int:
             from pathlib import Path
 
             from fedlora import pretrain
-            pretrain.pretrain(Path(args.out) if args.out else pretrain.PUBLIC_WEIGHTS.path,
-                              steps=args.steps or pretrain.STEPS)
+            from fedlora.data import fashion_mnist_unavailable_reason
+            if args.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
+                raise CLIError(reason)
+            pretrain.pretrain(args.dataset, Path(args.out) if args.out else None, steps=args.steps)
         elif args.command == "reconstruct":
             from fedlora.experiment import reconstruct
             accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)

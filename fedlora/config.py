@@ -35,6 +35,7 @@ from fedlora.data import (
     synthetic_splits,
 )
 from fedlora.models import MODELS, adapted_layer_shapes
+from fedlora.training import LOCAL_OPTIMIZERS
 
 DATASETS = ("synthetic", "cifar100", "fashion-mnist")
 DATASET_CLASSES = {"cifar100": 100, "fashion-mnist": 10}  # num-classes must say the same
@@ -76,9 +77,11 @@ class RunConfig:
     clients_per_round: int = _opt(50, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
     sampling: str = _opt("fixed", "client sampling", choices=("fixed", "poisson"))
     num_rounds: int = _opt(10, "T, federated rounds", low=1)
-    local_steps: int = _opt(2, "K, local SGD steps per round", low=1)
+    local_steps: int = _opt(2, "K, local steps per round", low=1)
     batch_size: int = _opt(16, "B, local mini-batch size", low=1)
-    lr: float = _opt(0.05, "local SGD learning rate", low=0.0, low_open=True)
+    lr: float = _opt(0.05, "local learning rate", low=0.0, low_open=True)
+    local_optimizer: str = _opt("sgd", "the clients' optimizer, fresh each round: sgd, or adam (steps that do not "
+                                       "scale with the gradient; lr about 1e-3)", choices=LOCAL_OPTIMIZERS)
     rank: int = _opt(4, "LoRA rank r", low=1)
     lora_alpha: float = _opt(8.0, "LoRA alpha (the update is alpha / r * B A)", low=0.0, low_open=True)
     targets: str = _opt("qv", "adapted linears: attention query/value, or all attention and MLP linears",
@@ -146,7 +149,8 @@ class RunConfig:
     train_examples: int = _opt(20000, "synthetic train-split size", low=1)
     test_examples: int = _opt(1000, "synthetic test-split size", low=1)
     model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
-                                         "synthetic classes; vit-tiny: the same at random init)", choices=tuple(MODELS))
+                                         "synthetic classes; vit-tiny-fashion-public: on Fashion-MNIST's public "
+                                         "split; vit-tiny: the same at random init)", choices=tuple(MODELS))
     partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "

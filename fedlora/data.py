@@ -1,5 +1,6 @@
-"""CIFAR-100 from the Hugging Face hub, Fashion-MNIST (offline from Debian's package, or the hub), synthetic
-CIFAR-like data, all in one schema; partitioners, transforms.
+"""CIFAR-100 from the Hugging Face hub, Fashion-MNIST (offline from Debian's package, or the hub), the user's own
+images (any hub dataset by id, or a folder with one subfolder per class), synthetic CIFAR-like data, all in one
+schema; partitioners, transforms.
 
 Every dataset here has CIFAR-100's hub schema (``uoft-cs/cifar100``): an ``img`` column of RGB images
 (32x32 for CIFAR; Fashion-MNIST's 28 x 28 grayscale as three equal channels, resized by the transforms
@@ -124,6 +125,9 @@ FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", 
                          "Ankle boot")
 _FASHION_MNIST_FILES = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
                         "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+# The last 10,000 of the 60,000 training images are public: `fedlora pretrain` may see them, no federation does.
+FASHION_MNIST_PUBLIC = 10_000
+FASHION_MNIST_SPLITS = ("train", "public", "test")
 
 
 def fashion_mnist_dir() -> Path:
@@ -151,24 +155,30 @@ def fashion_mnist_unavailable_reason() -> str | None:
 
 
 def load_fashion_mnist(split: str, *, cache_dir: str | os.PathLike[str] | None = None) -> datasets.Dataset:
-    """One split of Fashion-MNIST ("train": 60,000, "test": 10,000) in CIFAR-100's schema: read by torchvision's
-    FashionMNIST from the original IDX files (Debian's package, or ``FEDLORA_FASHION_MNIST_DIR``), else from the
-    Hugging Face hub (``zalando-datasets/fashion_mnist``: columns image and label). Raises
-    DatasetUnavailableError, naming both ways to get it, when neither is there."""
-    if split not in _FASHION_MNIST_FILES:
-        raise ValueError(f"Unknown split {split!r}; expected one of {', '.join(_FASHION_MNIST_FILES)}.")
+    """One split of Fashion-MNIST in CIFAR-100's schema: "train" (the first 50,000 of the original training images:
+    the federations' data), "public" (the last 10,000: public data for pretraining, held out of every federation)
+    or "test" (10,000). Read by torchvision's FashionMNIST from the original IDX files (Debian's package, or
+    ``FEDLORA_FASHION_MNIST_DIR``), else from the Hugging Face hub (``zalando-datasets/fashion_mnist``: columns
+    image and label). Raises DatasetUnavailableError, naming both ways to get it, when neither is there."""
+    if split not in FASHION_MNIST_SPLITS:
+        raise ValueError(f"Unknown split {split!r}; expected one of {', '.join(FASHION_MNIST_SPLITS)}.")
+    source_split = "test" if split == "test" else "train"
     if fashion_mnist_offline():
-        images, labels = _torchvision_fashion_mnist(split, cache_dir)
+        images, labels = _torchvision_fashion_mnist(source_split, cache_dir)
     else:
         if (reason := fashion_mnist_unavailable_reason()) is not None:
             raise DatasetUnavailableError(reason)
         try:
-            hub = datasets.load_dataset(FASHION_MNIST_HUB_ID, split=split, cache_dir=cache_dir)
+            hub = datasets.load_dataset(FASHION_MNIST_HUB_ID, split=source_split, cache_dir=cache_dir)
         except OSError as err:
             raise DatasetUnavailableError(f"Fashion-MNIST could not be loaded from the hub ({_first_line(err)}); "
                                           "offline, `apt-get install dataset-fashion-mnist`.") from err
         images = np.stack([np.asarray(image.convert("L"), dtype=np.uint8) for image in hub["image"]])
         labels = np.asarray(hub["label"], dtype=np.int64)
+    if split != "test":  # the hub keeps the original order, as do the IDX files
+        private = len(images) - FASHION_MNIST_PUBLIC
+        images, labels = (images[:private], labels[:private]) if split == "train" else (images[private:],
+                                                                                         labels[private:])
     features = datasets.Features({**CIFAR100_FEATURES,
                                   LABEL_COLUMN: datasets.ClassLabel(names=list(FASHION_MNIST_CLASSES)),
                                   COARSE_LABEL_COLUMN: datasets.ClassLabel(names=list(FASHION_MNIST_CLASSES))})

@@ -38,7 +38,7 @@ from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import NoSketch, SketchKey, Side, side_of
-from fedlora.training import local_sgd
+from fedlora.training import local_train
 
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
 PROBE, LORA = "linear-probe", "lora"  # the phases of a run
@@ -240,8 +240,8 @@ class Protocol:
         # the training transform's random flips draw from torch's global generator: seed it per client round,
         # or runs with the same seed differ with the worker that happened to run the client
         torch.manual_seed(derive_seed(self.config.seed, "augment", release, partition_id))
-        loss = local_sgd(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
-                         lr=self.config.lr, generator=generator)
+        loss = local_train(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
+                           lr=self.config.lr, generator=generator, optimizer=self.config.local_optimizer)
         trained = time.perf_counter()
         message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
         if self.sends_updates:

@@ -34,7 +34,7 @@ class ModelSpec:
     # Architecture overrides for random-init models (transformers ViTConfig / timm kwargs).
     overrides: tuple[tuple[str, int], ...] = ()
     random_twin: str | None = None  # the same architecture with random weights (shapes without the hub)
-    packaged: bool = False  # weights shipped in the package (PUBLIC_WEIGHTS) on the random twin's architecture
+    packaged: bool = False  # weights shipped in the package (PACKAGED_WEIGHTS) on the random twin's architecture
 
     @property
     def head(self) -> str:
@@ -53,6 +53,7 @@ class PackagedWeights:
     architecture: str  # the random-init model they fit
     file: str  # in fedlora/weights/, unless absolute
     sha256: str
+    dataset: str  # the public data `fedlora pretrain --dataset` trains them on
     pretrained_on: str
     head: str = "classifier"  # left out of the file: every run gets a fresh head for its own classes
 
@@ -76,18 +77,28 @@ class PackagedWeights:
         return next((c for c in candidates if c.is_file()), self.path)
 
 
-# Built by `fedlora pretrain` (fedlora/pretrain.py); rebuild and update the checksum together.
-PUBLIC_WEIGHTS = PackagedWeights(
-    "vit-tiny", "vit-tiny-public.safetensors",
-    "496e2302a155b50669c256cdf7b518327475eac6a670d75de31ef05fd62e482a",
-    "100 public synthetic classes from a seed stream no federation uses (no federation data, private or test)")
+# Built by `fedlora pretrain --dataset DATASET` (fedlora/pretrain.py); rebuild and update the checksum together.
+PACKAGED_WEIGHTS: dict[str, PackagedWeights] = {
+    "vit-tiny-public": PackagedWeights(
+        "vit-tiny", "vit-tiny-public.safetensors",
+        "496e2302a155b50669c256cdf7b518327475eac6a670d75de31ef05fd62e482a", "synthetic",
+        "100 public synthetic classes from a seed stream no federation uses (no federation data, private or test)"),
+    "vit-tiny-fashion-public": PackagedWeights(
+        "vit-tiny", "vit-tiny-fashion-public.safetensors",
+        "14ee0fd3df518784e5c9bef7e7ff3d2e9519ba30ddec0efac23dd63ce7761d4a", "fashion-mnist",
+        "Fashion-MNIST's public split: the last 10,000 of its 60,000 training images, which no federation uses "
+        "(its train split is the first 50,000; no test image)"),
+}
 
 MODELS: dict[str, ModelSpec] = {
     "vit-tiny": ModelSpec("transformers", "vit-tiny", 32, False,
                           tuple({"image_size": 32, "patch_size": 4, **_TINY}.items())),
-    # The same tiny ViT pretrained offline on public data (PUBLIC_WEIGHTS): the CPU quickstart's backbone.
+    # The same tiny ViT pretrained offline on public synthetic data (PACKAGED_WEIGHTS): the CPU quickstart's.
     "vit-tiny-public": ModelSpec("transformers", "vit-tiny-public", 32, False, random_twin="vit-tiny",
                                  packaged=True),
+    # The same pretrained on real public images: Fashion-MNIST's public split (PACKAGED_WEIGHTS says what it saw).
+    "vit-tiny-fashion-public": ModelSpec("transformers", "vit-tiny-fashion-public", 32, False,
+                                         random_twin="vit-tiny", packaged=True),
     "timm-vit-tiny": ModelSpec("timm", "vit_tiny_patch16_224", 32, False,
                                (("img_size", 32), ("patch_size", 4), ("embed_dim", 192), ("depth", 6),
                                 ("num_heads", 3))),
@@ -133,7 +144,7 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
     if spec.packaged:
         backbone = build_backbone(spec.random_twin, num_classes=num_classes, seed=seed)
         if next(backbone.parameters()).device.type != "meta":  # shapes only: no weights to load
-            _load_packaged(backbone, PUBLIC_WEIGHTS)
+            _load_packaged(backbone, PACKAGED_WEIGHTS[name])
         return backbone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -148,7 +159,7 @@ def _load_packaged(backbone: nn.Module, weights: PackagedWeights) -> None:
     missing, unexpected = backbone.load_state_dict(state, strict=False)
     if unexpected or any(not name.startswith(weights.head) for name in missing):
         raise ModelUnavailableError(f"'{weights.path}' does not fit {weights.architecture} (missing {missing}, "
-                                    f"unexpected {unexpected}); rebuild it with `fedlora pretrain`.")
+                                    f"unexpected {unexpected}); rebuild it with `fedlora pretrain --dataset {weights.dataset}`.")
 
 
 @lru_cache(maxsize=1)
@@ -158,12 +169,13 @@ def _packaged_state(weights: PackagedWeights) -> dict[str, torch.Tensor]:
     path = weights.locate()
     if not path.is_file():
         raise ModelUnavailableError(f"The pretrained weights '{path}' are missing; rebuild them with "
-                                    "`fedlora pretrain`, or use model = \"vit-tiny\" (random init).")
+                                    f"`fedlora pretrain --dataset {weights.dataset}`, or use model = \"vit-tiny\" (random "
+                                    "init).")
     data = path.read_bytes()
     if hashlib.sha256(data).hexdigest() != weights.sha256:
         raise ModelUnavailableError(f"The pretrained weights '{path}' do not match their sha256 "
-                                    f"{weights.sha256[:12]}...; rebuild them with `fedlora pretrain` and update "
-                                    "PUBLIC_WEIGHTS, or use model = \"vit-tiny\" (random init).")
+                                    f"{weights.sha256[:12]}...; rebuild them with `fedlora pretrain --dataset {weights.dataset}` and update "
+                                    "PACKAGED_WEIGHTS, or use model = \"vit-tiny\" (random init).")
     return {name: tensor.float() for name, tensor in load(data).items()}
 
 

@@ -1,13 +1,18 @@
-"""The offline public backbone: the tiny ViT pretrained, non-privately, on public data no federation holds.
+"""The offline public backbones: the tiny ViT pretrained, non-privately, on public data no federation holds.
 
 Real users fine-tune ViTs pretrained on public images (ImageNet-21k for `vit-b16`). Offline there is no hub, so
-the tiny ViT gets the same story from the synthetic generator: 100 public classes whose prototypes come from a
-seed stream of their own (``make_synthetic_cifar(public=True)``), disjoint from every federation's classes, which
-are drawn from the run seed. No federation data, private or test, is seen.
+the tiny ViT is pretrained here, on one of two public sources:
 
-    fedlora pretrain                  # rebuilds fedlora/weights/vit-tiny-public.safetensors, prints its sha256
+- ``vit-tiny-public``: 100 synthetic classes whose prototypes come from a seed stream of their own
+  (``make_synthetic_cifar(public=True)``), disjoint from every federation's classes. The synthetic quickstart's
+  backbone. It does not transfer to real images (README, "The offline public backbones").
+- ``vit-tiny-fashion-public``: Fashion-MNIST's public split, the last 10,000 of its 60,000 training images, which
+  no federation uses (``load_fashion_mnist("train")`` is the first 50,000). The real-data preset's backbone.
 
-The weights are committed with their checksum (``fedlora.models.PUBLIC_WEIGHTS``), so that runs never wait for
+    fedlora pretrain --dataset fashion-mnist   # rebuilds fedlora/weights/vit-tiny-fashion-public.safetensors
+    fedlora pretrain                           # the synthetic one, vit-tiny-public.safetensors; both print the sha256
+
+The weights are committed with their checksums (``fedlora.models.PACKAGED_WEIGHTS``), so that runs never wait for
 this; rebuilding on another torch version or CPU may differ in the last bits, and then in the checksum.
 """
 
@@ -16,55 +21,92 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fedlora.data import make_synthetic_cifar, to_torch
-from fedlora.models import PUBLIC_WEIGHTS, build_backbone, logits
+from fedlora.data import FASHION_MNIST_CLASSES, load_fashion_mnist, make_synthetic_cifar, to_torch
+from fedlora.models import PACKAGED_WEIGHTS, build_backbone, logits
 
-PUBLIC_CLASSES = 100
-PUBLIC_EXAMPLES = 32_000
-STEPS = 1_000
 BATCH_SIZE = 64
 LR = 1e-3
 WEIGHT_DECAY = 0.05
 SEED = 0
 
 
-def pretrain(out: Path = PUBLIC_WEIGHTS.path, *, steps: int = STEPS, examples: int = PUBLIC_EXAMPLES,
-             echo: Callable[[str], None] = print) -> str:
-    """Trains the tiny ViT on the public classes with AdamW (cosine schedule); saves it without its head, in
-    float16; returns the file's sha256."""
+@dataclass(frozen=True)
+class Recipe:
+    """AdamW with a linear warmup and a cosine decay, on one public dataset."""
+
+    steps: int
+    warmup: int = 0
+    label_smoothing: float = 0.0
+
+
+# The synthetic backbone's recipe is the one it was built with; the real images' adds the usual warmup and label
+# smoothing for a ViT trained from scratch, and twice the steps (about 13 epochs of the 10,000 public images).
+RECIPES = {"vit-tiny-public": Recipe(steps=1_000), "vit-tiny-fashion-public": Recipe(2_000, 100, 0.1)}
+SYNTHETIC_PUBLIC_CLASSES = 100
+SYNTHETIC_PUBLIC_EXAMPLES = 32_000
+
+
+def public_data(model: str, examples: int | None = None):
+    """(dataset in the common schema, number of classes) of the public data ``model`` is pretrained on."""
+    if model == "vit-tiny-fashion-public":
+        data = load_fashion_mnist("public")
+        return (data.select(range(examples)) if examples else data), len(FASHION_MNIST_CLASSES)
+    return (make_synthetic_cifar(examples or SYNTHETIC_PUBLIC_EXAMPLES, num_classes=SYNTHETIC_PUBLIC_CLASSES,
+                                 seed=SEED, public=True), SYNTHETIC_PUBLIC_CLASSES)
+
+
+def pretrain(dataset: str = "synthetic", out: Path | None = None, *, steps: int | None = None,
+             examples: int | None = None, echo: Callable[[str], None] = print) -> str:
+    """Trains the tiny ViT on ``dataset``'s public data ("synthetic" or "fashion-mnist"); saves it without its
+    head, in float16, to ``out`` (default: the packaged file its model loads); returns the file's sha256."""
     from safetensors.torch import save_file
 
+    model = next((name for name, w in PACKAGED_WEIGHTS.items() if w.dataset == dataset), None)
+    if model is None:
+        raise ValueError(f"No public data to pretrain on in '{dataset}'; choose one of: "
+                         f"{', '.join(w.dataset for w in PACKAGED_WEIGHTS.values())}.")
+    weights, recipe = PACKAGED_WEIGHTS[model], RECIPES[model]
+    steps = steps or recipe.steps
+    warmup = min(recipe.warmup, steps // 10)
+    out = Path(out or weights.path)
     torch.manual_seed(SEED)
-    public = to_torch(make_synthetic_cifar(examples, num_classes=PUBLIC_CLASSES, seed=SEED, public=True), 32,
-                      train=True)
-    model = build_backbone(PUBLIC_WEIGHTS.architecture, num_classes=PUBLIC_CLASSES, seed=SEED)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
-    order = torch.randperm(examples, generator=torch.Generator().manual_seed(SEED))
-    model.train()
+    data, classes = public_data(model, examples)
+    # Decoded, resized and normalized once; only the flips are drawn per step, from the global generator, one per
+    # image in batch order, as the train transform's RandomHorizontalFlip would (so the same seed, the same run).
+    public = to_torch(data, 32)[list(range(len(data)))]
+    net = build_backbone(weights.architecture, num_classes=classes, seed=SEED)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup if warmup else 1.0) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED))
+    net.train()
     for step in range(steps):
-        start = step * BATCH_SIZE % examples
-        batch = public[order[start:start + BATCH_SIZE].tolist()]
-        out_ = logits(model, batch["pixel_values"])
-        loss = F.cross_entropy(out_, batch["labels"])
+        start = step * BATCH_SIZE % len(data)
+        rows = order[start:start + BATCH_SIZE]
+        flips = torch.cat([torch.rand(1) for _ in rows]) < 0.5
+        images = public["pixel_values"][rows]
+        labels = public["labels"][rows]
+        out_ = logits(net, torch.where(flips.view(-1, 1, 1, 1), images.flip(-1), images))
+        loss = F.cross_entropy(out_, labels, label_smoothing=recipe.label_smoothing)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
         if (step + 1) % 50 == 0 or step + 1 == steps:
-            accuracy = (out_.argmax(1) == batch["labels"]).float().mean().item()
-            echo(f"pretrain: step {step + 1}/{steps}  loss {loss.item():.3f}  batch accuracy {accuracy:.2f}")
-    backbone = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()
-                if not k.startswith(PUBLIC_WEIGHTS.head)}
+            accuracy = (out_.argmax(1) == labels).float().mean().item()
+            echo(f"pretrain {model}: step {step + 1}/{steps}  loss {loss.item():.3f}  batch accuracy {accuracy:.2f}")
+    backbone = {k: v.detach().to(torch.float16).contiguous() for k, v in net.state_dict().items()
+                if not k.startswith(weights.head)}
     out.parent.mkdir(parents=True, exist_ok=True)
-    save_file(backbone, str(out), metadata={"pretrained_on": PUBLIC_WEIGHTS.pretrained_on, "steps": str(steps)})
+    save_file(backbone, str(out), metadata={"pretrained_on": weights.pretrained_on, "steps": str(steps)})
     digest = sha256(out)
-    echo(f"pretrain: wrote {out} (sha256 {digest})")
+    echo(f"pretrain {model}: wrote {out} (sha256 {digest})")
     return digest
 
 

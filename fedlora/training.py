@@ -1,4 +1,4 @@
-"""Local training and evaluation of a LoRA model, free of Flower: K SGD steps on a partition, accuracy on a split."""
+"""Local training and evaluation of a LoRA model, free of Flower: K local steps on a partition, accuracy on a split."""
 
 from __future__ import annotations
 
@@ -14,26 +14,34 @@ def select_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def local_sgd(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: float,
-              generator: torch.Generator) -> float:
-    """``steps`` SGD steps on mini-batches drawn (with replacement) from ``dataset``; returns the mean loss.
+LOCAL_OPTIMIZERS = ("sgd", "adam")
 
+
+def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: float, generator: torch.Generator,
+                optimizer: str = "sgd") -> float:
+    """``steps`` optimizer steps on mini-batches drawn (with replacement) from ``dataset``; returns the mean loss.
+
+    ``optimizer`` is fresh each call (no state crosses rounds, so a client's reply depends on its data and the
+    global model only): "sgd", or "adam", whose steps do not scale with the gradient, so that one lr serves a
+    head whose gradients are large (wide features) and adapters whose gradients are small.
     ``dataset`` yields {"pixel_values", "labels"} for a list of indices (``fedlora.data.to_torch``).
     """
     if len(dataset) == 0:
         raise ValueError("Cannot train on an empty partition.")
+    if optimizer not in LOCAL_OPTIMIZERS:
+        raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
     device = next(model.parameters()).device
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(params, lr=lr)
+    step = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
     model.train()
     total = 0.0
     for _ in range(steps):
         indices = torch.randint(len(dataset), (batch_size,), generator=generator).tolist()
         batch = dataset[indices]
         loss = F.cross_entropy(logits(model, batch["pixel_values"].to(device)), batch["labels"].to(device))
-        optimizer.zero_grad(set_to_none=True)
+        step.zero_grad(set_to_none=True)
         loss.backward()
-        optimizer.step()
+        step.step()
         total += loss.item()
     return total / steps
 

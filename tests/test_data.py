@@ -366,7 +366,10 @@ def test_fashion_mnist_is_read_from_idx_files_by_torchvision_into_the_common_sch
     _write_idx(folder, *train, "train")
     _write_idx(folder, *test, "t10k")
     monkeypatch.setenv(FASHION_MNIST_DIR_ENV, str(folder))
-    for split, (images, labels) in (("train", train), ("test", test)):
+    monkeypatch.setattr("fedlora.data.FASHION_MNIST_PUBLIC", 4)  # of 10,000 in the real files
+    public = train[0][8:], train[1][8:]
+    train = train[0][:8], train[1][:8]
+    for split, (images, labels) in (("train", train), ("public", public), ("test", test)):
         data = load_fashion_mnist(split, cache_dir=tmp_path / "cache")
         assert data.features[LABEL_COLUMN].names == list(FASHION_MNIST_CLASSES)
         assert data[LABEL_COLUMN] == labels.tolist()
@@ -429,7 +432,8 @@ def test_the_real_fashion_mnist(tmp_path):
         pytest.skip(message)
     test = load_fashion_mnist("test", cache_dir=tmp_path)
     train = load_fashion_mnist("train", cache_dir=tmp_path)
-    assert (len(train), len(test)) == (60000, 10000)
+    public = load_fashion_mnist("public", cache_dir=tmp_path)
+    assert (len(train), len(public), len(test)) == (50000, 10000, 10000)  # 60,000 training images, 10,000 public
     assert np.bincount(test[LABEL_COLUMN]).tolist() == [1000] * 10
     assert train[0][LABEL_COLUMN] == 9 and test[0][LABEL_COLUMN] == 9  # an ankle boot opens both, as published
 
