@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {method:<44} {backbone:<24} {accuracy:.3f}  ({time.time() - started:.0f} s)", flush=True)
 
     started = time.time()
-    pixels = torch.tensor(train.with_format("numpy")["img"][..., 0], dtype=torch.float32).flatten(1)
-    test_pixels = torch.tensor(test.with_format("numpy")["img"][..., 0], dtype=torch.float32).flatten(1)
+    pixels = torch.tensor(train.with_format("numpy")[:]["img"][..., 0], dtype=torch.float32).flatten(1)
+    test_pixels = torch.tensor(test.with_format("numpy")[:]["img"][..., 0], dtype=torch.float32).flatten(1)
     labels, test_labels = torch.tensor(train["fine_label"]), torch.tensor(test["fine_label"])
     record("logistic regression on the pixels", "-", _linear_fit(pixels, labels, test_pixels, test_labels), started)
 
