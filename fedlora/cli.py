@@ -681,7 +681,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (`kill`, systemd, a job scheduler) ends the command like Ctrl-C: through its `finally` blocks, which
+    stop the SuperLink, SuperNodes and Ray it started, instead of leaving them running behind it."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def main(argv: list[str] | None = None) -> int:
+    _stop_on_sigterm()
     try:
         args = build_parser().parse_args(argv if argv is not None else sys.argv[1:] or ["run"])
         if args.command == "run":

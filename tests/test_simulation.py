@@ -126,6 +126,23 @@ def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
     assert not leftover_flower_processes()
 
 
+def test_sigterm_stops_every_flower_process_and_leaves_a_run_to_resume(tmp_path):
+    """`kill` (SIGTERM) on `fedlora run` goes through its clean-up: no SuperLink, SuperExec or Ray left behind,
+    exit status 143, and the checkpoint continues with --resume."""
+    settings = [arg for s in [*TINY, "num-rounds=4"] for arg in ("--set", s)]
+    out = tmp_path / "stopped"
+    victim = _fedlora("run", *settings, "--out", str(out))
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and victim.poll() is None and not (metrics.exists() and metrics.read_text().strip()):
+        time.sleep(0.2)
+    victim.terminate()
+    assert victim.wait(timeout=60) == 143, victim.stdout.read()
+    assert not leftover_flower_processes()
+    saved = Checkpoint.load(out)
+    assert 1 <= saved.rounds_done and saved.status != FINISHED
+
+
 FAULTY_APP = """
 import os
 from pathlib import Path
