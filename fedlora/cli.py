@@ -597,8 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "upload of its N clients per round")
 
     r = commands.add_parser("run", help="run a simulated federation (default: the offline CPU quickstart)")
-    r.add_argument("--config", help="a TOML preset file, or a packaged preset by name (quickstart, small_cohort, "
-                                    "cifar100_private, paper_cifar100); default: the quickstart")
+    r.add_argument("--config", help="a TOML preset file, or a packaged preset by name (quickstart, fashion_mnist, "
+                                    "small_cohort, cifar100_private, paper_cifar100); default: the quickstart")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
     r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
