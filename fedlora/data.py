@@ -318,33 +318,30 @@ def _folder_dataset(root: Path) -> datasets.DatasetDict:
 
 
 def _image_column(name: str, train: datasets.Dataset, chosen: str) -> str:
-    if chosen:
-        if chosen not in train.column_names:
-            raise ValueError(f"{name} has no column '{chosen}' (image-column); its columns: "
-                             f"{', '.join(train.column_names)}.")
-        return chosen
     images = [c for c, f in train.features.items() if isinstance(f, datasets.Image)]
-    if len(images) != 1:
-        raise ValueError(f"{name} has {len(images) or 'no'} image columns ({', '.join(images) or 'columns: ' + ', '.join(train.column_names)}): "
-                         "set image-column.")
-    return images[0]
+    return _column(name, train, chosen, images, kind="image")
 
 
 def _label_column(name: str, train: datasets.Dataset, chosen: str) -> str:
-    if chosen:
-        if chosen not in train.column_names:
-            raise ValueError(f"{name} has no column '{chosen}' (label-column); its columns: "
-                             f"{', '.join(train.column_names)}.")
-        return chosen
     labels = [c for c, f in train.features.items() if isinstance(f, datasets.ClassLabel)]
     if len(labels) > 1:
         labels = [c for c in labels if c in _LABEL_NAMES] or labels
     if not labels:
         labels = [c for c in _LABEL_NAMES if c in train.column_names]
-    if len(labels) != 1:
-        raise ValueError(f"{name} has {'several' if labels else 'no'} label columns ({', '.join(labels or train.column_names)}): "
-                         "set label-column.")
-    return labels[0]
+    return _column(name, train, chosen, labels, kind="label")
+
+
+def _column(name: str, train: datasets.Dataset, chosen: str, candidates: list[str], *, kind: str) -> str:
+    """The column the config names (``<kind>-column``), checked; else the one candidate found; else one line."""
+    columns = ", ".join(train.column_names)
+    if chosen:
+        if chosen not in train.column_names:
+            raise ValueError(f"{name} has no column '{chosen}' ({kind}-column); its columns: {columns}.")
+        return chosen
+    if len(candidates) != 1:
+        found = ", ".join(candidates) or f"columns: {columns}"
+        raise ValueError(f"{name} has {len(candidates) or 'no'} {kind} columns ({found}): set {kind}-column.")
+    return candidates[0]
 
 
 def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "") -> int:

@@ -514,7 +514,7 @@ def test_a_hub_dataset_by_id_with_its_columns_detected_or_named(monkeypatch, fre
     train, test = load_user_dataset("hf:me/clothes")
     assert asked == ["me/clothes"] and (len(train), len(test)) == (12, 4)
     assert train.features[LABEL_COLUMN].names == ["hat", "sock", "shoe"] and train[IMAGE_COLUMN][0].mode == "RGB"
-    with pytest.raises(ValueError, match=r"^hf:me/plain has no label columns \(pic, y, id\): set label-column\.$"):
+    with pytest.raises(ValueError, match=r"^hf:me/plain has no label columns \(columns: pic, y, id\): set label-column\.$"):
         load_user_dataset("hf:me/plain")  # integers in a column of no known name
     train, test = load_user_dataset("hf:me/plain", label_column="y")
     assert train.features[LABEL_COLUMN].names == ["0", "1"] and len(train) + len(test) == 6
