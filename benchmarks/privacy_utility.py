@@ -1,13 +1,15 @@
-"""The privacy-utility frontier at the quickstart's setting: final test accuracy against epsilon for the private
-strategies under each noise placement, accuracy against the cohort size N at epsilon 8, and the upload per
-client it takes to reach an accuracy.
+"""The privacy-utility frontier at a preset's setting (the quickstart's by default): final test accuracy against
+epsilon for the private strategies under each noise placement, accuracy against the cohort size N at epsilon 8, and
+the upload per client it takes to reach an accuracy.
 
     python -m benchmarks.privacy_utility                          # everything, seeds 0 and 1 (hours here)
+    python -m benchmarks.privacy_utility --config fashion_mnist   # the same on real data (a day on 2 cores)
     python -m benchmarks.privacy_utility --parts frontier --epsilons 8 --seeds 0
     python -m benchmarks.privacy_utility --workers 2     # two runs at a time, one torch thread each
     python -m benchmarks.privacy_utility --strategies gm-ffa-lora --placements server,secagg --epsilons 8 \
         --seeds 0,1,2,3,4,5                               # more seeds of one comparison
-Results: benchmarks/results/privacy_utility.{md,csv,json} and privacy_utility_{epsilon,cohort}.png. Runs are in
+Results: benchmarks/results/privacy_utility.{md,csv,json} and privacy_utility_{epsilon,cohort}.png (with --config
+NAME: privacy_utility_NAME.* and privacy_utility_NAME_{epsilon,cohort}.png). Runs are in
 process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol, strategy and accountant of
 `fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
 continues where it stopped, and the tables are written from whatever is there.
@@ -41,9 +43,13 @@ PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
 PLACEMENTS = ("client", "server", "secagg")
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
-COHORTS = (5, 10, 25, 50, 100)  # N at C = 500 (the quickstart's C)
+COHORTS = (5, 10, 25, 50, 100)  # N at the preset's C
 COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")
-STORE = RESULTS / "privacy_utility.json"
+
+
+def stem(preset: str | None) -> str:
+    """The results' file name stem: each preset's runs are stored and tabled apart."""
+    return "privacy_utility" + (f"_{preset}" if preset else "")
 
 
 def _family(strategy: str) -> str:
@@ -51,10 +57,11 @@ def _family(strategy: str) -> str:
 
 
 def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: list[str] | None = None,
-         placements: list[str] | None = None, min_replies: int | None = None) -> list[dict]:
+         placements: list[str] | None = None, min_replies: int | None = None, preset: str | None = None) -> list[dict]:
     """Every run with its config (checked before the first starts); ``strategies`` and ``placements`` (default
     all) restrict it, the non-private references counting as placement "-"; ``min_replies``: secagg's N_min
-    instead of its default (such runs are stored under their own keys)."""
+    instead of its default (such runs are stored under their own keys); ``preset``: the packaged config the runs
+    start from (default: the quickstart's)."""
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
@@ -85,9 +92,10 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
             variant = ""
             if min_replies is not None and placement == "secagg":
                 values["min-replies"], variant = min_replies, f"|min-replies={min_replies}"
-            config = load_config(None, [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in values.items()])
-            # at the quickstart's N a cohort run is the frontier's run: it is run (and stored) once
-            same = part == "cohort" and config.clients_per_round == load_config().clients_per_round
+            config = load_config(preset, [f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                                          for k, v in values.items()])
+            # at the preset's N a cohort run is the frontier's run: it is run (and stored) once
+            same = part == "cohort" and config.clients_per_round == load_config(preset).clients_per_round
             runs.append({"part": part, "strategy": strategy, "placement": placement, "epsilon": eps, "seed": seed,
                          "n": config.clients_per_round, "config": config,
                          "key": f"{'frontier' if same else part}|{strategy}|{placement}|{eps}|"
@@ -99,6 +107,8 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="the packaged preset the runs start from (default: the quickstart's; "
+                                         "fashion_mnist: the real-data preset)")
     parser.add_argument("--parts", default="frontier,cohort")
     parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
     parser.add_argument("--seeds", default="0,1")
@@ -124,7 +134,7 @@ def main() -> None:
             raise ValueError(f"--min-replies is secagg's N_min: at least 2, got {args.min_replies}.")
         runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
                     args.strategies.split(",") if args.strategies else None,
-                    args.placements.split(",") if args.placements else None, args.min_replies)
+                    args.placements.split(",") if args.placements else None, args.min_replies, args.config)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}.")
         if args.min_replies is not None and not any(r["placement"] == "secagg" for r in runs):
@@ -132,10 +142,13 @@ def main() -> None:
                              "(--placements secagg).")
         if args.run_dirs is not None and args.run_dirs.exists() and not args.run_dirs.is_dir():
             raise ValueError(f"--run-dirs {args.run_dirs} is a file, not a directory.")
+        for run in runs if args.run_dirs else ():
+            _check_run_dir(run_dir(args.run_dirs, run["key"]), run["config"])
     except ValueError as error:
         print(f"privacy_utility: error: {str(error).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    done = json.loads(STORE.read_text()) if STORE.is_file() else {}
+    store = RESULTS / f"{stem(args.config)}.json"
+    done = json.loads(store.read_text()) if store.is_file() else {}
     todo = [] if args.table_only else [r for r in runs if r["key"] not in done]
     # What is least known first: noise at the client and private FlexLoRA sit at chance already at epsilon 8
     todo.sort(key=lambda r: (r["placement"] == "client", _family(r["strategy"]) == "flex"))
@@ -148,12 +161,12 @@ def main() -> None:
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
             key, result = future.result()
             # Re-read first: another benchmark (or a run on another machine merged in) may have saved meanwhile.
-            done = {**(json.loads(STORE.read_text()) if STORE.is_file() else {}), key: result}
+            done = {**(json.loads(store.read_text()) if store.is_file() else {}), key: result}
             RESULTS.mkdir(exist_ok=True)
-            STORE.write_text(json.dumps(done, indent=1) + "\n")
+            store.write_text(json.dumps(done, indent=1) + "\n")
             print(f"== [{i + 1}/{len(todo)}] {key}: accuracy {result['accuracy'][-1]:.3f} "
                   f"({result['seconds']:.0f} s)", flush=True)
-    write_results(runs, done)
+    write_results(runs, done, args.config)
 
 
 def _set_threads(threads: int) -> None:
@@ -162,27 +175,47 @@ def _set_threads(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
+def run_dir(run_dirs: Path, key: str) -> Path:
+    """Where --run-dirs keeps ``key``'s run: a run `fedlora run --out` wrote there with the same config counts."""
+    return run_dirs / key.replace("|", "_").replace("=", "-")
+
+
+def _check_run_dir(path: Path, config: RunConfig) -> None:
+    """A run directory the benchmark would continue or reuse must hold the run it plans."""
+    from fedlora.experiment import load_run_config
+
+    if (path / "config.json").is_file():
+        saved, planned = load_run_config(path)[0].to_mapping(), config.to_mapping()
+        if differ := sorted(k for k in {*saved, *planned} if saved.get(k) != planned.get(k)):
+            raise ValueError(f"{path} holds another run ({', '.join(f'{k} = {saved.get(k)!r}, planned '
+                                                                     f'{planned.get(k)!r}' for k in differ[:3])}).")
+
+
 def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, dict]:
     """One run, in a worker process: its key and what the store keeps of it."""
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
 
     started = time.time()
+    reused = False
 
     def echo(line: str) -> None:
         print(f"    [{key}] {line}", flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_dirs / key.replace("|", "_").replace("=", "-") if run_dirs else Path(tmp) / "run"
+        out = run_dir(run_dirs, key) if run_dirs else Path(tmp) / "run"
         resumed = (out / STATE_FILE).is_file()
-        if resumed and Checkpoint.load(out).status in ENDED:  # it ended before the store was written
-            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        if resumed and Checkpoint.load(out).status in ENDED:  # it ended before the store was written, or came
+            rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # from `fedlora run`
+            reused = True
         else:
             if resumed:
                 echo(f"resuming from {out}")
             rows = run_inprocess(config, out, echo=echo, resume=resumed)
     return key, {"accuracy": [r["accuracy"] for r in rows], "epsilon": rows[-1]["epsilon"],
                  "threat_model": rows[-1]["threat_model"], "noise_multiplier": rows[-1]["noise_multiplier"],
-                 "bytes_up": [r["bytes_up"] for r in rows], "seconds": time.time() - started, "machine": machine(),
+                 "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(),
+                 # a finished run found on disk: the seconds its rounds took, not the reading
+                 "seconds": sum(r["seconds"] for r in rows) if reused else time.time() - started,
                  **({"resumed": True} if resumed else {})}
 
 
@@ -209,7 +242,7 @@ def _machines(groups: dict[tuple, list[dict]]) -> str:
     return "; ".join(f"{where} ({n} runs)" for where, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
-def write_results(runs: list[dict], done: dict) -> None:
+def write_results(runs: list[dict], done: dict, preset: str | None = None) -> None:
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         if run["key"] in done:
@@ -230,23 +263,26 @@ def write_results(runs: list[dict], done: dict) -> None:
                      "threat_model": results[0]["threat_model"],
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
                      **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in (0.3, 0.5, 0.7)}})
+    name = stem(preset)
     RESULTS.mkdir(exist_ok=True)
-    with open(RESULTS / "privacy_utility.csv", "w", newline="") as f:
+    with open(RESULTS / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    _plot(rows, chance)
+    _plot(rows, chance, name, config.num_clients)
 
     def kib(value):
         return "never" if value is None else f"{value / 1024:.0f} KiB"
 
-    lines = ["# Privacy-utility frontier at the quickstart's setting", "",
-             f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in privacy_utility.json; "
+    setting = f"the {preset} preset's" if preset else "the quickstart's"
+    lines = [f"# Privacy-utility frontier at {setting} setting", "",
+             f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in {name}.json; "
              "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
-             f"Setting: the quickstart ({config.dataset} data, {config.classes} classes, {config.model}, "
+             f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
-             f"K = {config.local_steps}, clip {config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
+             f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "
+             f"{config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
              "FFA strategies send updates applied by server SGD, FlexLoRA strategies send adapters. Final test "
              f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
@@ -263,13 +299,12 @@ def write_results(runs: list[dict], done: dict) -> None:
              "| strategy | N | accuracy | z |", "|---|---:|---:|---:|",
              *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
                f"{r['noise_multiplier']:g} |" for r in rows if r["part"] == "cohort"],
-             "", "![accuracy against epsilon](privacy_utility_epsilon.png)",
-             "![accuracy against N](privacy_utility_cohort.png)", ""]
-    (RESULTS / "privacy_utility.md").write_text("\n".join(lines) + "\n")
+             "", f"![accuracy against epsilon]({name}_epsilon.png)", f"![accuracy against N]({name}_cohort.png)", ""]
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _plot(rows: list[dict], chance: float) -> None:
+def _plot(rows: list[dict], chance: float, name: str, num_clients: int) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -299,7 +334,7 @@ def _plot(rows: list[dict], chance: float) -> None:
     axes[0].set_ylabel("final test accuracy")
     labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     axes[-1].legend(labelled.values(), labelled.keys(), fontsize=7)  # every strategy, wherever it was drawn
-    save_figure(fig, "privacy_utility_epsilon.png")
+    save_figure(fig, f"{name}_epsilon.png")
 
     cohort = [r for r in rows if r["part"] == "cohort"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -310,13 +345,13 @@ def _plot(rows: list[dict], chance: float) -> None:
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3,
                         label=strategy + ("" if strategy in COHORT_STRATEGIES else " (not private)"))
     ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
-    ax.set(xscale="log", xlabel="clients per round N (C = 500)", ylabel="final test accuracy",
+    ax.set(xscale="log", xlabel=f"clients per round N (C = {num_clients})", ylabel="final test accuracy",
            title="epsilon 8, noise at the server")
     ax.set_xticks(COHORTS, [str(n) for n in COHORTS])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure(fig, "privacy_utility_cohort.png")
+    save_figure(fig, f"{name}_cohort.png")
 
 
 if __name__ == "__main__":

@@ -644,7 +644,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the public data (default: synthetic, for vit-tiny-public)")
     pt.add_argument("--out", help="where to write it (default: the packaged file its model loads)")
     pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default: the recipe's, 1000 on "
-                                                                   "synthetic, 2000 on fashion-mnist)")
+                                                                   "synthetic, 6000 on fashion-mnist)")
 
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")

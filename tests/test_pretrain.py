@@ -94,6 +94,26 @@ def test_pretrain_writes_a_backbone_without_head_that_the_model_loads(tmp_path, 
     models._packaged_state.cache_clear()
 
 
+def test_random_shifts_move_each_image_within_the_bound_and_fill_with_the_background():
+    from fedlora.pretrain import _shifted
+
+    torch.manual_seed(0)
+    images = torch.rand(40, 1, 8, 8) + 1  # the background (the smallest value) is 0 after the pad
+    images[0, 0, 0, 0] = 0.0
+    shifted = _shifted(images, 2)
+    moves = set()
+    for before, after in zip(images[1:], shifted[1:]):
+        found = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+                 if torch.equal(after[:, max(dy, 0):8 + min(dy, 0), max(dx, 0):8 + min(dx, 0)],
+                                before[:, max(-dy, 0):8 - max(dy, 0), max(-dx, 0):8 - max(dx, 0)])]
+        assert len(found) == 1
+        moves.add(found[0])
+        border = after.clone()
+        border[:, max(found[0][0], 0):8 + min(found[0][0], 0), max(found[0][1], 0):8 + min(found[0][1], 0)] = 0
+        assert torch.all(border == 0)  # what moved in is the background
+    assert len(moves) > 10  # each image draws its own offset
+
+
 def test_pretrain_on_fashion_mnist_sees_its_public_split_only(tmp_path, monkeypatch):
     """`fedlora pretrain --dataset fashion-mnist` trains on load_fashion_mnist("public"), the images no federation
     holds, and writes weights the vit-tiny-fashion-public model loads."""
