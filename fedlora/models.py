@@ -85,7 +85,7 @@ PACKAGED_WEIGHTS: dict[str, PackagedWeights] = {
         "100 public synthetic classes from a seed stream no federation uses (no federation data, private or test)"),
     "vit-tiny-fashion-public": PackagedWeights(
         "vit-tiny", "vit-tiny-fashion-public.safetensors",
-        "14ee0fd3df518784e5c9bef7e7ff3d2e9519ba30ddec0efac23dd63ce7761d4a", "fashion-mnist",
+        "477c5a7b36547467cf255a922babe9ec280aa2408f71d21c3d38a028eb52d90d", "fashion-mnist",
         "Fashion-MNIST's public split: the last 10,000 of its 60,000 training images, which no federation uses "
         "(its train split is the first 50,000; no test image)"),
 }
