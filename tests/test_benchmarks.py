@@ -1,0 +1,31 @@
+"""The benchmark scripts' own logic (their measurements are runs, not tests)."""
+
+import json
+
+import pytest
+
+from benchmarks.privacy_utility import _check_run_dir, plan, run_dir
+from fedlora.config import load_config
+
+
+def _write_run(path, config):
+    """The config.json `fedlora run --out PATH` writes."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({**config.to_mapping(), "noise-multiplier (used)": 1.0,
+                                                  "probe-noise-multiplier (used)": 0.0}))
+
+
+def test_the_frontier_counts_a_fedlora_run_of_its_config_and_refuses_another(tmp_path):
+    """`fedlora run --config fashion_mnist --out DIR/frontier_sgmm-ffa-lora_server_8.0_50_0` is the frontier's
+    run of that key; a directory there holding another config is one error line before any run."""
+    (run,) = plan(["frontier"], [8.0], [0], ["sgmm-ffa-lora"], ["server"], None, "fashion_mnist")
+    path = run_dir(tmp_path, run["key"])
+    assert path.name == "frontier_sgmm-ffa-lora_server_8.0_50_0"
+    _write_run(path, load_config("fashion_mnist"))
+    _check_run_dir(path, run["config"])  # the preset's own run: reused
+    (reference,) = plan(["frontier"], [8.0], [0], ["ffa-lora"], ["-"], None, "fashion_mnist")
+    assert run_dir(tmp_path, reference["key"]).name == "frontier_ffa-lora_-_inf_50_0"
+    other = run_dir(tmp_path, reference["key"])
+    _write_run(other, load_config("fashion_mnist", ["strategy=\"ffa-lora\"", "seed=1"]))
+    with pytest.raises(ValueError, match=r"holds another run \(seed = 1, planned 0\)"):
+        _check_run_dir(other, reference["config"])
