@@ -7,7 +7,7 @@ Fashion-MNIST's 50,000 private training images, tested on its 10,000 test images
   federated recipe, centralized (LoRA on q and v at rank 4 plus the head, the local optimizer and lr of the
   real-data preset, batch 64), and the same with the quickstart's SGD at lr 0.05 for the real-data backbone.
 
-    python -m benchmarks.real_data                 # about 18 min on 2 cores
+    python -m benchmarks.real_data                 # about 16 min on 2 cores
     python -m benchmarks.real_data --steps 200     # quicker, lower ceilings
 
 Results: benchmarks/results/real_data.{md,csv,json}, with the command, commit and machine.
