@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.algorithms import ALGORITHMS, LoRAMode
+from fedlora.algorithms import ALGORITHMS
 from fedlora.config import load_config
 from fedlora.experiment import check_before_start
 from fedlora.launch import run_simulation
@@ -59,9 +59,6 @@ def compare() -> None:
                 raise ValueError(f"Unknown strategy '{strategy}'; choose from {', '.join(ALGORITHMS)}.")
             for seed in args.seeds.split(","):
                 overrides = [f"strategy={strategy}", f"seed={seed}", *args.set]
-                if ALGORITHMS[strategy].family is LoRAMode.FLEX and load_config(PRESETS[args.preset], args.set).message \
-                        == "update":
-                    overrides.append('message="adapter"')  # FlexLoRA cannot send updates: it sends its adapter
                 if sweep_key:
                     overrides.append(f"{sweep_key}={value}")
                 config = load_config(PRESETS[args.preset], overrides)
@@ -113,7 +110,7 @@ def compare() -> None:
              f"target epsilon {config.target_epsilon:g}, delta {config.delta:g}, seeds {args.seeds}; accuracy is the "
              f"test accuracy of the global model (mean ± std over seeds); seconds per round leave out round 1. Noise "
              f"at the {config.noise_placement}; clients send {config.message}s"
-             + (" (FlexLoRA strategies: adapters, as they cannot send updates)." if config.message == "update" else "."),
+             + (" (FlexLoRA strategies: the change of each product B A)." if config.message == "update" else "."),
              "", "| " + " | ".join(h.replace("_", " ") for h in header) + " |", "|" + "---|" * len(header),
              *["| " + " | ".join(str(row[h]) for h in header) + " |" for row in table], "", f"![accuracy]({name}.png)"]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")

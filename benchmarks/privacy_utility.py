@@ -14,8 +14,9 @@ process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol
 `fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
 continues where it stopped, and the tables are written from whatever is there.
 
-FFA strategies run the quickstart's form (clients send updates, applied by server SGD). FlexLoRA cannot send
-updates (an update of the factors is not an update of their product): its runs send adapters. Secure aggregation
+Every strategy runs the preset's form: clients send updates (FlexLoRA: the change of each product B A), applied by
+server SGD. The FlexLoRA runs of the adapter form measured before are kept under keys ending "|message=adapter",
+outside the tables. Secure aggregation
 (noise in shares under SecAgg+) runs at its default min-replies (N_min = 45 of N = 50).
 """
 
@@ -87,8 +88,6 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
                 values["target-epsilon"] = eps
             if n is not None:
                 values["clients-per-round"] = n
-            if _family(strategy) == "flex":
-                values["message"] = "adapter"
             variant = ""
             if min_replies is not None and placement == "secagg":
                 values["min-replies"], variant = min_replies, f"|min-replies={min_replies}"
@@ -288,7 +287,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "
              f"{config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
-             "FFA strategies send updates applied by server SGD, FlexLoRA strategies send adapters. Final test "
+             f"clients send {'updates (FlexLoRA: the change of each product B A) applied by server SGD' if config.message == 'update' else 'their adapters'}. Final test "
              f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
              "reaches it (first seed).", "",

@@ -44,7 +44,7 @@ from fedlora.mechanisms import Mechanism, NoisePlacement, ThreatModel
 from fedlora.privacy.accounting import epsilon as accountant_epsilon
 from fedlora.privacy.events import Observer, Phase, SamplingScheme, trust_label
 from fedlora.secure_sum import SkellamSecureSum
-from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, side_of
+from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, is_product, side_of
 
 CONFIDENCE = 0.95
 ENTRY = "audit.lora_B"  # the audited message: one LoRA B factor, sketched from the left like a real one
@@ -442,10 +442,11 @@ def _accountant(mechanism: Mechanism, *, rank: int, clients_per_round: int, delt
 def model_view(protocol, state, template: dict[str, torch.Tensor], entries: list[str]) -> np.ndarray:
     """What a round's global state means in full space, as one vector over the canaries' ``entries``:
     de-sketched with its release's R (as clients do), B A per layer for FlexLoRA (whose factors the SVD
-    redistribution rotates), the entries themselves otherwise."""
+    redistribution rotates), the entries themselves otherwise. What clients download, not the server's dense
+    products (FlexLoRA updates): a canary's product change is seen through the top-r factors of the products."""
     from fedlora.federation import DENSE
 
-    message = state.message
+    message = state.broadcast
     if state.produced_by != DENSE:
         message = protocol.mechanism.desketch(message, key=protocol.key(state.produced_by),
                                               shapes={n: tuple(t.shape) for n, t in template.items()})
@@ -462,8 +463,10 @@ def _flat(message: dict[str, torch.Tensor], entries: list[str], *, flex: bool) -
     for name in sorted(entries):
         if flex and side_of(name) is Side.RIGHT:
             continue  # inside its layer's product
+        if is_product(name) and name not in message:  # a state's product: its factors'
+            name = f"{name.rsplit('.', 1)[0]}.lora_B"
         t = message[name].double()
-        if flex and side_of(name) is Side.LEFT:
+        if flex and side_of(name) is Side.LEFT and not is_product(name):
             a = message[f"{name.rsplit('.', 1)[0]}.lora_A"].double()
             if t.shape[1] != a.shape[0]:
                 raise ValueError(f"'{name}' has rank {t.shape[1]} but its A has rank {a.shape[0]}.")

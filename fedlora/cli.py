@@ -10,7 +10,7 @@ import sys
 
 from fedlora import __version__
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.config import HEAD_MODES, parse_assignment
+from fedlora.config import HEAD_MODES, MESSAGE_FORMS, parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
@@ -67,19 +67,30 @@ def describe(args: argparse.Namespace) -> dict:
         # multiply-adds of the sketch, and the values of its masked vector under SecAgg+, where FlexLoRA's clients
         # send what the server's SVD sums: their products B A per layer (b x b sketched)
         "ffa-lora / gm-ffa-lora (dense B)": (dense_b, 0, dense_b),
-        "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0, sum(m * k for (_, k), (m, _) in shapes)),
+        "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0, sum(m * k for m, k in layers)),
         f"sgmm-ffa-lora (R B, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes),
                                         len(shapes) * b * r),
         f"sgmv-ffa-lora (R_v vec(B), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes),
                                                len(shapes) * h),
         f"sgmm-flexlora (R B, A R_A, b={b})": (2 * len(shapes) * b * r,
                                                sum(b * (m + k) * r for (_, k), (m, _) in shapes), len(shapes) * b * b),
+    } if args.message == "adapter" else {
+        "ffa-lora / gm-ffa-lora (dense change of B)": (dense_b, 0, dense_b),
+        "flexlora / gm-flexlora (dense change of B A)": (sum(m * k for m, k in layers), 0,
+                                                         sum(m * k for m, k in layers)),
+        f"sgmm-ffa-lora (R dB, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes),
+                                         len(shapes) * b * r),
+        f"sgmv-ffa-lora (R_v vec(dB), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes),
+                                                len(shapes) * h),
+        f"sgmm-flexlora (R d(B A), b={b})": (sum(b * k for _, k in layers), sum(b * m * k for m, k in layers),
+                                             sum(b * k for _, k in layers)),
     }
     return {
         "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
         "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(shapes),
         "head": args.head, "head_values": head, "preset_model": getattr(args, "preset_model", None),
+        "message": args.message,
         "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for (r, k), (m, _) in shapes}),
         "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
         "mechanisms": [{"strategy": name, "upload_values": values + with_head,
@@ -101,9 +112,11 @@ def _print_describe(report: dict) -> None:
     print({"message": f"{head}, sent dense in every message: included below",
            "probe": f"{head}, sent alone in the linear-probe rounds; the LoRA rounds below do not send it",
            "frozen": "classifier head: frozen, never sent"}[report["head"]])
-    print(f"\n{'strategy (mechanism)':<42}{'upload/client/round':>22}{'under SecAgg+':>16}{'sketch multiply-adds':>24}")
+    print("clients send " + ("their adapters (the paper's form)" if report["message"] == "adapter" else
+                             "updates: FFA the change of B, FlexLoRA the change of each product B A"))
+    print(f"\n{'strategy (mechanism)':<46}{'upload/client/round':>22}{'under SecAgg+':>16}{'sketch multiply-adds':>24}")
     for row in report["mechanisms"]:
-        print(f"{row['strategy']:<42}{row['upload_bytes'] / 1024:>18.1f} KiB"
+        print(f"{row['strategy']:<46}{row['upload_bytes'] / 1024:>18.1f} KiB"
               f"{row['upload_bytes_secagg_vector'] / 1024:>12.1f} KiB{row['sketch_multiply_adds']:>24,}")
     print("under SecAgg+ (noise-placement = secagg): the masked vector alone, 64-bit integers (FlexLoRA: its products "
           "B A); the protocol adds two public keys and one encrypted share pair per other client "
@@ -123,7 +136,7 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
     replaced = (("strategy", "target_epsilon", "noise_multiplier", "delta", "num_clients", "clients_per_round",
                  "sampling_rate", "rounds", "rank", "sketch_dim", "model", "threat_model", "noise_placement",
                  "clip_count_stddev", "sampling", "head", "target_observer") if command == "privacy" else
-                ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes", "head"))
+                ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes", "head", "message"))
     defaults = vars(build_parser().parse_args([command]))
     if given := [key for key in replaced if getattr(args, key) != defaults[key]]:
         raise CLIError(f"--config takes every value from the preset; drop --{given[0].replace('_', '-')}.")
@@ -131,8 +144,8 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
         return
     args.model = model_spec(config.model).random_twin or config.model  # shapes only: no hub, no weights
     args.preset_model = config.model
-    args.rank, args.targets, args.num_classes, args.head = config.rank, config.targets, config.classes, \
-        config.head
+    args.rank, args.targets, args.num_classes, args.head, args.message = config.rank, config.targets, \
+        config.classes, config.head, config.message
     algorithm = get_algorithm(config.strategy)
     if algorithm.sketched:
         b = config.effective_sketch_dim()
@@ -523,12 +536,15 @@ def audit(args: argparse.Namespace) -> dict:
     mechanism = make_mechanism(algorithm, clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
                                sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model,
                                placement=config.noise_placement)
-    m = next(iter(adapted_layer_shapes(config.model, targets=config.targets).values()))[0]
+    m, k = next(iter(adapted_layer_shapes(config.model, targets=config.targets).values()))
+    # what one client's message holds per layer: B, or with FlexLoRA's updates the change of the product B A
+    shape, what = (((m, k), f"the change of one {m}x{k} product B A") if config.message == "update"
+                   and algorithm.family is LoRAMode.FLEX else ((m, config.rank), f"one {m}x{config.rank} LoRA B"))
     say = (lambda line: None) if args.json else print
     say(f"fedlora audit: {config.strategy}, {mechanism.describe()}")
-    say(f"mechanism level: one {m}x{config.rank} LoRA B at clip norm {config.clip_norm:g}, {args.trials} releases of "
-        "it and of its neighbour ...")
-    common = {"shape": (m, config.rank), "trials": args.trials, "delta": config.delta, "seed": config.seed,
+    say(f"mechanism level: {what} at clip norm {config.clip_norm:g}, {args.trials} releases of it and of its "
+        "neighbour ...")
+    common = {"shape": shape, "trials": args.trials, "delta": config.delta, "seed": config.seed,
               "clients_per_round": config.clients_per_round}
     if config.noise_placement == "secagg":  # what the server sees if it follows SecAgg+, and if it does not
         result = {"strategy": config.strategy, **audit_secure_sum(
@@ -592,6 +608,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--num-classes", type=_positive, default=100)
     d.add_argument("--head", default="message", choices=list(HEAD_MODES),
                    help="classifier head: trained in every message (default), in linear-probe rounds only, or frozen")
+    d.add_argument("--message", default="update", choices=list(MESSAGE_FORMS),
+                   help="what clients send: updates (default; FlexLoRA: the change of each product B A) or "
+                        "their adapters (the paper's form)")
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.add_argument("--config", help="a TOML preset: its model, rank, targets, sketch dimension and classes, and the "
                                     "upload of its N clients per round")

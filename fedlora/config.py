@@ -113,8 +113,9 @@ class RunConfig:
                                          "the server, which sees every message before its noise). Both are reported",
                                 choices=OBSERVERS)
     message: str = _opt("update", "what a client sends: its whole local adapter (the paper), or its update, the "
-                                   "change from the global adapter it started from (DP-FedAvg), which the server "
-                                   "applies with server-optimizer", choices=MESSAGE_FORMS)
+                                   "change from the global adapter it started from (DP-FedAvg; FlexLoRA: the change "
+                                   "of each layer's product B A), which the server applies with server-optimizer",
+                        choices=MESSAGE_FORMS)
     server_optimizer: str = _opt("sgd", "message = update: how the server applies the noisy mean update",
                                  choices=SERVER_OPTIMIZERS)
     server_lr: float = _opt(1.0, "message = update: the server optimizer's learning rate", low=0.0, low_open=True)
@@ -301,10 +302,10 @@ class RunConfig:
                             '"client" or "secagg"): with noise at the server it sees every message before the noise, '
                             "and no epsilon holds against it.")
         if self.message == "update":
-            if algorithm.family is LoRAMode.FLEX:
-                problems.append('message = "update" needs an FFA strategy: FlexLoRA aggregates the product B A of '
-                                "each client's factors, and an update of the factors is not an update of their "
-                                "product, so FlexLoRA keeps message = \"adapter\".")
+            if algorithm.family is LoRAMode.FLEX and algorithm.sketched and self.threat_model == "secret-sketch":
+                problems.append('message = "update" with sgmm-flexlora needs threat-model = "known-sketch": the '
+                                "secret-sketch bound (the paper's) is derived for sketched factors of rank r, not "
+                                'for the m x k change of their product (set message = "adapter" for it).')
             if self.sketch_secret == "node-file":
                 problems.append('message = "update" needs the server to de-sketch the mean update, which it cannot '
                                 'with sketch-secret = "node-file".')

@@ -6,7 +6,10 @@ The global state is the aggregate of the last round, in sketched space when the 
 sketches produced it. A client de-sketches it with that release's R before training.
 
 With message = "update" a client sends the change from the global state it started from, and the server
-applies the (de-sketched) noisy mean with its optimizer: the global state then stays dense. With noise at
+applies the (de-sketched) noisy mean with its optimizer: the global state then stays dense. For FlexLoRA the
+change is that of each layer's product, B_c A_c - B A (m x k, clipped with the rest of the message, so its
+sensitivity is the clip norm): the server keeps the dense product W of every layer, applies the mean change to
+it, and sends clients the top-r SVD of W (an update of the factors is not an update of their product). With noise at
 the server, clients send their constrained (clipped, sketched) messages without noise and the server
 noises their sum before anything else sees it.
 
@@ -37,7 +40,7 @@ from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mech
 from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
-from fedlora.sketch import NoSketch, SketchKey, Side, side_of
+from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, side_of
 from fedlora.training import local_train
 
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
@@ -52,8 +55,14 @@ def derive_seed(*parts: int | str) -> int:
 
 @dataclass(frozen=True)
 class GlobalState:
-    message: Message  # "<layer>.lora_B", "<layer>.lora_A" (Flex), head entries; dense or sketched
+    message: Message  # "<layer>.lora_B", "<layer>.lora_A" (Flex), head entries; dense or sketched; FlexLoRA
+    # updates: also the server's dense product "<layer>.lora_BA" of every layer, which clients never download
     produced_by: int  # the release whose sketches produced ``message``; DENSE if not sketched
+
+    @property
+    def broadcast(self) -> Message:
+        """What clients download: everything but the server's dense products."""
+        return {n: t for n, t in self.message.items() if not is_product(n)}
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class Protocol:
                                                    placement=self.placement)
                                 if self.algorithm.private else self.mechanism)
         self.sends_updates = config.message == "update"
+        self.sends_products = self.sends_updates and self.mode is LoRAMode.FLEX  # FlexLoRA: changes of B A
         self.clipping = (QuantileClipping(config.clip_quantile, config.clip_lr, config.count_stddev(), self.placement)
                          if config.clip_quantile and self.algorithm.private else None)
         self.sketch_seed = derive_seed(config.seed, "sketch", config.threat_model)
@@ -94,7 +104,10 @@ class Protocol:
         c, parts = self.config, [self.mechanism.describe()]
         if self.sends_updates:
             momentum = f", momentum {c.server_momentum:g}" if c.server_optimizer != "sgd" else ""
-            parts.append(f"clients send updates, applied by server {c.server_optimizer} (lr {c.server_lr:g}{momentum})")
+            what = "the change of each layer's product B A" if self.sends_products else "updates"
+            parts.append(f"clients send {what}, applied by server {c.server_optimizer} (lr {c.server_lr:g}{momentum})"
+                         + (f" to its dense products, whose top-{c.rank} SVD clients download"
+                            if self.sends_products else ""))
         if self.clipping is not None:
             parts.append(f"adaptive clip norm from {c.clip_norm:g}, tracking the {c.clip_quantile:g} quantile (step "
                          f"{c.clip_lr:g}, count noise {self.clipping.count_stddev:g}, accounted)")
@@ -143,7 +156,24 @@ class Protocol:
         return {**adapters, **get_head(model)} if self.config.head == "message" else adapters
 
     def initial_state(self, model) -> GlobalState:
-        return GlobalState({**to_message(get_adapters(model), mode=self.mode), **get_head(model)}, DENSE)
+        adapters = get_adapters(model)
+        products = {f"{layer}.{PRODUCT}": b @ a for layer, (a, b) in adapters.items()} if self.sends_products else {}
+        return GlobalState({**to_message(adapters, mode=self.mode), **products, **get_head(model)}, DENSE)
+
+    def update_of(self, start: Message, end: Message) -> Message:
+        """A client's update from the message it started from to the one it ended with: entry by entry, or for
+        FlexLoRA's LoRA rounds the change of each layer's product B A (and of the head)."""
+        if not self.sends_products or not any(side_of(n) is Side.RIGHT for n in end):
+            return {n: t - start[n] for n, t in end.items()}
+        out = {}
+        for name in end:
+            if side_of(name) is Side.LEFT:
+                layer = name.rsplit(".", 1)[0]
+                a0, a1 = start[f"{layer}.lora_A"].double(), end[f"{layer}.lora_A"].double()
+                out[f"{layer}.{PRODUCT}"] = (end[name].double() @ a1 - start[name].double() @ a0).to(end[name].dtype)
+            elif side_of(name) is Side.DENSE:
+                out[name] = end[name] - start[name]
+        return out
 
     def key(self, release: int) -> SketchKey:
         return SketchKey(self.sketch_seed, release)
@@ -157,8 +187,9 @@ class Protocol:
             if side is Side.DENSE:
                 if phase == PROBE or self.config.head == "message":
                     shapes[name] = tuple(t.shape)
-            elif phase == LORA:
-                shapes[name] = (t.shape[0], rank) if side is Side.LEFT else (rank, t.shape[1])
+            elif phase == LORA and is_product(name) == self.sends_products:  # the products, or the factors
+                shapes[name] = tuple(t.shape) if is_product(name) else \
+                    (t.shape[0], rank) if side is Side.LEFT else (rank, t.shape[1])
         return shapes
 
     def release_problem(self, release: Message, template: Message, *, round_: int, rank: int,
@@ -245,7 +276,7 @@ class Protocol:
         trained = time.perf_counter()
         message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
         if self.sends_updates:
-            message = {n: t - start[n] for n, t in message.items()}
+            message = self.update_of(start, message)
         out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
         return ClientRound(out, loss, trained - started, time.perf_counter() - trained, bit)
 
@@ -335,7 +366,7 @@ class Protocol:
         mechanism = self.mechanism_for(round_, clip_norm)
         phase = self.phase(round_)
         sketched = phase == LORA and not isinstance(self.mechanism.sketch, NoSketch)
-        if self.mode is LoRAMode.FLEX and phase == LORA:
+        if self.mode is LoRAMode.FLEX and phase == LORA and not self.sends_updates:
             return GlobalState({**previous.message, **self._flex_mean(releases, mechanism, noise, previous, summed)},
                                release if sketched else DENSE)
         if mechanism.placement is NoisePlacement.CLIENT:
@@ -351,7 +382,19 @@ class Protocol:
         if sketched:
             mean = mechanism.desketch(mean, key=self.key(release),
                                       shapes={n: tuple(previous.message[n].shape) for n in mean})
-        return GlobalState({**previous.message, **optimizer.step(previous.message, mean)}, DENSE)
+        stepped = optimizer.step(previous.message, mean)
+        return GlobalState({**previous.message, **stepped, **self._factors_of(stepped)}, DENSE)
+
+    def _factors_of(self, message: Message) -> Message:
+        """FlexLoRA's global factors from the server's dense products in ``message``: the top-r SVD of each."""
+        out = {}
+        for name, w in message.items():
+            if is_product(name):
+                layer = name.rsplit(".", 1)[0]
+                b, a = redistribute(*torch.linalg.svd(w.double(), full_matrices=False), self.config.rank,
+                                    self.config.svd_split)
+                out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(w.dtype), b.to(w.dtype)
+        return out
 
     def _flex_mean(self, releases: Sequence[Message], mechanism: Mechanism, noise, previous: GlobalState,
                    summed: int = 0) -> Message:

@@ -10,7 +10,8 @@ very same R, so bit-identity across devices wins over generating on the device.
 
 Conventions (../shared/design/PRIVACY.md, section 1):
 - R has i.i.d. N(0, 1/b) entries (variance 1/b), so E[R^T R] = I.
-- A message entry named ``*lora_B`` (m x r) is sketched from the left: R B, R in R^{b x m}.
+- A message entry named ``*lora_B`` (m x r) is sketched from the left: R B, R in R^{b x m}; so is FlexLoRA's
+  update, the change of a layer's product B A (``*lora_BA``, m x k): R (B A - B0 A0).
 - A message entry named ``*lora_A`` (r x k) is sketched from the right: A R_A, R_A in R^{k x b}.
 - Any other entry (e.g. a classifier head) is sent dense, never sketched.
 - SGMV: R_v vec(B) with vec stacking columns and R_v in R^{h x (m r)}, generated in row blocks
@@ -41,9 +42,16 @@ class Side(Enum):
     DENSE = 2  # not sketched
 
 
+PRODUCT = "lora_BA"  # FlexLoRA's update form: the change of a layer's product B A, and the server's dense product
+
+
+def is_product(name: str) -> bool:
+    return name.endswith(PRODUCT)
+
+
 def side_of(name: str) -> Side:
     """The sketch side of a message entry, from its name."""
-    if name.endswith("lora_B"):
+    if name.endswith("lora_B") or is_product(name):
         return Side.LEFT
     if name.endswith("lora_A"):
         return Side.RIGHT

@@ -275,10 +275,10 @@ class FedLoRAStrategy(Strategy):
         self.rounds[server_round] = {"started": self.rounds.get(server_round, {}).get("started", time.time()),
                                      "release": release, "partitions": partitions, "sampled": len(partitions),
                                      "assigned": assigned, "needed": min(self.config.required_replies(), len(partitions)),
-                                     "bytes_down": num_bytes(self.state.message)}
+                                     "bytes_down": num_bytes(self.state.broadcast)}
         log(INFO, "configure_train: release %s, sampled %s of %s clients", release, len(partitions),
             self.sampling.num_clients)
-        arrays = to_arrays(self.state.message)
+        arrays = to_arrays(self.state.broadcast)
         return [Message(content=RecordDict({"arrays": arrays, "config": ConfigRecord(
                             {**round_config, PACKED: clients}) if self.packed else round_config}),
                         message_type=MessageType.TRAIN, dst_node_id=node) for node, clients in assigned.items()]
@@ -355,7 +355,7 @@ class FedLoRAStrategy(Strategy):
         protocol = self.protocol
         server_noise = protocol.server_noise(info["release"])
         if not valid and protocol.placement is NoisePlacement.CLIENT:  # Poisson sampled nobody: nothing is released
-            return to_arrays(self.state.message), MetricRecord({"replies": 0})
+            return to_arrays(self.state.broadcast), MetricRecord({"replies": 0})
         # noise at the server is released even for an empty round: an absent client must change nothing visible
         releases = [release for _, release, _, _ in valid] or [self._zero_release(server_round)]
         metrics = [m for _, _, _, m in valid]
@@ -371,7 +371,7 @@ class FedLoRAStrategy(Strategy):
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
                     **_mean_telemetry(metrics))
         del releases, valid, clients  # with noise at the server, no single message outlives the aggregation
-        return to_arrays(self.state.message), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
+        return to_arrays(self.state.broadcast), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
 
     def _secure_round(self, grid: Grid, server_round: int, messages: list[Message],
                       timeout: float) -> ArrayRecord | None:
@@ -406,7 +406,7 @@ class FedLoRAStrategy(Strategy):
                                         summed=len(result.summed))
         info.update(clip_norm=self.clip_norm, aggregation_seconds=time.time() - started,
                     **_mean_telemetry(list(result.metrics.values())))
-        return to_arrays(self.state.message)
+        return to_arrays(self.state.broadcast)
 
     def _zero_release(self, server_round: int) -> dict[str, torch.Tensor]:
         """The release of a round without clients: zeros in the released shapes."""

@@ -223,6 +223,22 @@ def test_flex_canary_signature_is_the_adapter_product():
     assert np.allclose(signature, np.concatenate([head.double().numpy(), (b.double() @ a.double()).reshape(-1).numpy()]))
 
 
+def test_flex_update_canaries_are_seen_through_the_factors_clients_download():
+    """FlexLoRA's updates: a canary's signature is its product change itself, and a state's view is B A of the
+    factors clients download (the top-r of the server's dense product, which observers of the model never see)."""
+    from fedlora.audit import model_view
+    from fedlora.federation import DENSE, GlobalState
+
+    protocol = Protocol(load_config(None, ["strategy=flexlora"]), 0.0)
+    b, a, w, head = torch.randn(6, 2), torch.randn(2, 5), torch.randn(6, 5), torch.randn(3)
+    canary = {"x.lora_BA": w, "head.weight": head}
+    assert np.allclose(canary_signature(protocol, canary),
+                       np.concatenate([head.double().numpy(), w.double().reshape(-1).numpy()]))
+    state = GlobalState({"x.lora_A": a, "x.lora_B": b, "x.lora_BA": w, "head.weight": head}, DENSE)
+    view = model_view(protocol, state, state.message, list(canary))
+    assert np.allclose(view, np.concatenate([head.double().numpy(), (b.double() @ a.double()).reshape(-1).numpy()]))
+
+
 def _canary_config(strategy: str):
     return load_config(None, [f"strategy={strategy}", *[f"{k}={v}" for k, v in PAPER_FORM.items()], "num-clients=120",
                               "clients-per-round=20", "num-rounds=3",

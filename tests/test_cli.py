@@ -11,7 +11,8 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "configs" / "quickstart.toml"
 
 
 def test_describe_reports_real_shapes_and_upload_sizes(capsys):
-    assert main(["describe", "--model", "vit-tiny", "--rank", "4", "--sketch-dim", "16", "--json"]) == 0
+    assert main(["describe", "--model", "vit-tiny", "--rank", "4", "--sketch-dim", "16", "--message", "adapter",
+                 "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["adapted_layers"] == 12 and report["layer_shapes"] == ["B 192x4, A 4x192"]
     head = 192 * 100 + 100  # the 100-class head, sent dense in every message by default
@@ -26,6 +27,14 @@ def test_describe_reports_real_shapes_and_upload_sizes(capsys):
     assert uploads["ffa-lora"]["upload_bytes_secagg_vector"] == 8 * uploads["ffa-lora"]["upload_values"]
     assert uploads["flexlora"]["upload_bytes_secagg_vector"] == 8 * (12 * 192 * 192 + head)
     assert uploads["sgmm-flexlora"]["upload_bytes_secagg_vector"] == 8 * (12 * 16 * 16 + head)
+    # updates (the default): FFA the same shapes; FlexLoRA the change of each product, m x k (b x k sketched)
+    assert main(["describe", "--model", "vit-tiny", "--rank", "4", "--sketch-dim", "16", "--json"]) == 0
+    updates = {row["strategy"].split(" ")[0]: row for row in json.loads(capsys.readouterr().out)["mechanisms"]}
+    assert updates["ffa-lora"]["upload_values"] == uploads["ffa-lora"]["upload_values"]
+    assert updates["flexlora"]["upload_values"] == 12 * 192 * 192 + head
+    assert updates["sgmm-flexlora"]["upload_values"] == 12 * 16 * 192 + head
+    assert updates["sgmm-flexlora"]["upload_bytes_secagg_vector"] == 8 * (12 * 16 * 192 + head)
+    assert updates["sgmm-flexlora"]["sketch_multiply_adds"] == 12 * 16 * 192 * 192
     for mode in ("probe", "frozen"):  # the LoRA rounds' messages carry no head
         assert main(["describe", "--model", "vit-tiny", "--sketch-dim", "16", "--head", mode, "--json"]) == 0
         rows = {row["strategy"].split(" ")[0]: row for row in json.loads(capsys.readouterr().out)["mechanisms"]}

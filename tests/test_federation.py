@@ -8,6 +8,7 @@ from flwr.app import Context, RecordDict
 from peft import PeftModel
 from safetensors.torch import load_file
 
+from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
 from fedlora.config import run_config_of
 from fedlora.experiment import noise_for, reconstruct
@@ -15,7 +16,7 @@ from fedlora.federation import DENSE
 from fedlora.models import build_backbone
 from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
-from fedlora.sketch import Side, side_of
+from fedlora.sketch import Side, is_product, side_of
 from fedlora.strategies.server_app import run_federation
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from tests.helpers import PAPER_FORM
@@ -102,6 +103,20 @@ def test_the_quickstarts_private_setting_rises_above_chance(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["epsilon"] <= 8.0 and rows[-1]["threat_model"].startswith("known-sketch, noise at the server")
     assert rows[-1]["accuracy"] > 0.3  # 10 classes: chance is 0.1
+
+
+def test_private_sgmm_flexlora_in_the_quickstarts_setting_rises_above_chance(tmp_path):
+    """The quickstart's setting with sgmm-flexlora (clients send the sketched change of each product B A, noise at
+    the server) for 2 rounds calibrated for epsilon 8 over them, fixed seed: its updates accumulate, where the
+    adapter form sat at chance (README, FlexLoRA: updates of the product)."""
+    config = {"strategy": "sgmm-flexlora", "num-rounds": 2, "eval-every": 2, "test-examples": 300,
+              "out-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app, 500, config)
+    run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                   echo=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["epsilon"] <= 8.0 and rows[-1]["threat_model"].startswith("known-sketch, noise at the server")
+    assert rows[-1]["accuracy"] > 0.3, rows[-1]  # 10 classes: chance is 0.1
 
 
 def test_linear_probe_then_lora_composes_two_phases(tmp_path):
@@ -428,3 +443,73 @@ def test_the_real_data_preset_learns_in_a_few_rounds(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["round"] == 2 and 0 < rows[-1]["epsilon"] < 8
     assert rows[-1]["accuracy"] > 0.3, rows[-1]
+
+
+# -- FlexLoRA's update form: clients send the change of each layer's product B A ----------------------------------
+def _products(message):
+    """Each layer's product B A and the head: what FlexLoRA's factors mean (the SVD fixes them up to signs)."""
+    return {**{n: t.double() @ message[n.replace("lora_B", "lora_A")].double() for n, t in message.items()
+               if n.endswith("lora_B")}, **{n: t for n, t in message.items() if n.startswith("classifier.")}}
+
+
+@pytest.mark.parametrize("clients_per_round, rounds", [(3, 1), (1, 3)])
+def test_flexlora_updates_at_server_lr_1_without_noise_are_flexlora_of_the_local_products(tmp_path,
+                                                                                         clients_per_round, rounds):
+    """W + mean_c (B_c A_c - B A) = mean_c B_c A_c whenever the server's product W is the B A clients started from:
+    in round 1, and in every round when one client a round leaves W of rank r."""
+    common = {"strategy": "flexlora", "clients_per_round": clients_per_round, "num_rounds": rounds}
+    adapters, _, _ = _run(tmp_path / "adapter", **common)
+    updates, _, _ = _run(tmp_path / "update", message="update", server_optimizer="sgd", server_lr=1.0, **common)
+    expected, got = _products(adapters.state.message), _products(updates.state.message)
+    assert set(got) == set(expected)
+    for name, t in expected.items():
+        torch.testing.assert_close(got[name].double(), t.double(), rtol=0, atol=1e-5)
+    dense = {n: t for n, t in updates.state.message.items() if is_product(n)}
+    assert len(dense) == 12 and all(t.shape == (192, 192) for t in dense.values())  # the server's, q and v of 6 blocks
+    assert not any(is_product(n) for n in updates.state.broadcast)  # clients download the factors only
+
+
+@pytest.mark.parametrize("strategy_name", ["gm-flexlora", "sgmm-flexlora"])
+def test_a_flexlora_update_is_bounded_by_the_clip_norm_and_accounted_as_one_gaussian_release(strategy_name):
+    """Whatever the local training did, the clipped (and sketched, then clipped again) change of the products has
+    norm <= tau: the sensitivity of the release, a Gaussian mechanism at z; the server refuses more."""
+    from fedlora.config import RunConfig
+    from fedlora.federation import Protocol
+    from fedlora.lora import get_adapters, get_head, to_message
+    from fedlora.mechanisms import message_norm
+    from fedlora.privacy.events import GaussianRelease
+
+    config = RunConfig.from_mapping({"strategy": strategy_name, "noise-multiplier": 1.3, "target-epsilon": 0,
+                                     "message": "update", "noise-placement": "server", "sketch-dim": 32})
+    protocol = Protocol(config, 1.3)
+    model = protocol.build_model()
+    initial = protocol.initial_state(model)
+    start = {**to_message(get_adapters(model), mode=protocol.mode), **get_head(model)}
+    generator = torch.Generator().manual_seed(0)
+    for client in range(5):
+        end = {n: t + torch.randn(t.shape, generator=generator) * (client + 1) for n, t in start.items()}
+        update = protocol.update_of(start, end)
+        assert all(t.shape == (192, 192) for n, t in update.items() if is_product(n))
+        release, _ = protocol.privatize(update, round_=1, release=1, noise=None)
+        assert message_norm(release) <= config.clip_norm
+        assert protocol.release_problem(release, initial.message, round_=1, rank=config.rank) is None
+        assert protocol.release_of(update, protocol.mechanism) == (GaussianRelease(1.3),)
+    doubled = {n: 2 * t for n, t in release.items()}
+    assert "norm exceeds" in protocol.release_problem(doubled, initial.message, round_=1, rank=config.rank)
+
+
+@pytest.mark.parametrize("strategy_name", list(ALGORITHMS))
+def test_every_strategy_runs_a_round_from_the_default_config(tmp_path, strategy_name):
+    """`fedlora run --set strategy=X` on the quickstart's config (noise at the server, updates; FlexLoRA's of its
+    products), made small."""
+    from fedlora.config import load_config
+
+    config = load_config(None, [f'strategy="{strategy_name}"']).to_mapping()
+    small = {k: v for k, v in SMALL.items() if k not in PAPER_FORM}
+    config = {**config, **small, "num-rounds": 1, "local-steps": 1, "target-epsilon": 10.0, "out-dir": str(tmp_path)}
+    grid = InProcessGrid(client_app, config["num-clients"], config)
+    run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                   echo=lambda line: None)
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["round"] == 1 and row["replies"] == 3 and row["rejected"] == 0
+    assert row["threat_model"].startswith("known-sketch, noise at the server") == (strategy_name in PRIVATE_ALGORITHMS)

@@ -17,7 +17,7 @@ from fedlora.config import RESUME_KEY, RunConfig
 from fedlora.experiment import noise_for, sampling_of
 from fedlora.federation import Protocol, packed_key
 from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
-from fedlora.sketch import SketchKey
+from fedlora.sketch import SketchKey, is_product
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 from tests.helpers import PAPER_FORM
@@ -195,11 +195,18 @@ class CrashingGrid(InProcessGrid):
         return super().send_and_receive(messages, timeout=timeout)
 
 
-@pytest.mark.parametrize("crash_at", ["after round 2", "mid round 3"])
-def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, crash_at):
-    reference, _ = _run(tmp_path / "reference", num_rounds=4)
+# FlexLoRA's updates: the server's dense products and their momentum are state the checkpoint must hold
+FLEX_UPDATES = {"strategy": "gm-flexlora", "noise-placement": "server", "message": "update",
+                "server-optimizer": "momentum", "server-lr": 0.5}
+
+
+@pytest.mark.parametrize("crash_at, form", [("after round 2", {}), ("mid round 3", {}),
+                                            ("after round 2", FLEX_UPDATES)],
+                         ids=["after round 2", "mid round 3", "flexlora updates"])
+def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch, crash_at, form):
+    reference, _ = _run(tmp_path / "reference", num_rounds=4, **{k.replace("-", "_"): v for k, v in form.items()})
     out = tmp_path / "crashed"
-    config = {**SMALL, "num-rounds": 4, "out-dir": str(out)}
+    config = {**SMALL, **form, "num-rounds": 4, "out-dir": str(out)}
     context = Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config)
     with monkeypatch.context() as patch:
         if crash_at == "after round 2":  # dies before round 3 is sampled
@@ -215,10 +222,12 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
             run_federation(CrashingGrid(client_app, 5, config), context, echo=lambda line: None)
     saved = Checkpoint.load(out)
     assert saved.rounds_done == 2 and saved.in_flight == (crash_at == "mid round 3")
-    resumed, _ = _resume(out, num_rounds=4)
+    resumed, _ = _resume(out, num_rounds=4, **{k.replace("-", "_"): v for k, v in form.items()})
     assert [r["round"] for r in _rows(out)] == [1, 2, 3, 4]  # no round counted twice
     assert resumed.ledger.rounds == reference.ledger.rounds == 4
     assert resumed.ledger.epsilon == reference.ledger.epsilon
+    assert set(resumed.state.message) == set(reference.state.message)
+    assert any(is_product(n) for n in saved.state.message) == bool(form)
     for name, t in reference.state.message.items():
         torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)
     assert Checkpoint.load(out).status == FINISHED
