@@ -119,7 +119,7 @@ def _print_describe(report: dict) -> None:
         print(f"{row['strategy']:<46}{row['upload_bytes'] / 1024:>18.1f} KiB"
               f"{row['upload_bytes_secagg_vector'] / 1024:>12.1f} KiB{row['sketch_multiply_adds']:>24,}")
     print("under SecAgg+ (noise-placement = secagg): the masked vector alone, 64-bit integers (FlexLoRA: its products "
-          "B A); the protocol adds two public keys and one encrypted share pair per other client "
+          "B A, or with updates their change); the protocol adds two public keys and one encrypted share pair per other client "
           "(benchmarks/results/secagg_cost.md)")
     if report.get("clients_per_round"):
         n = report["clients_per_round"]
