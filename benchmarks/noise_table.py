@@ -43,7 +43,7 @@ def main() -> None:
         "- per-message: the paper's Lemma 2.7 per client, amplified the same way: UNSOUND for shared sketches, "
         "shown only to explain the paper's numbers.",
         "",
-        "Why they differ from the paper's: see the README's privacy section.",
+        "Why they differ from the paper's: see docs/explanation/threat-models.md.",
     ]
     (RESULTS / "noise_table.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -34,7 +34,7 @@ from fedlora.training import local_train
 GOAL_RATIO, GOAL_MEMORY = 1.10, 0.10
 STORE = RESULTS / "overhead.json"
 PATHS = {"message": "one message per client", "packed": "several clients per message"}
-WHY = ("Why the per-message path slows as cohorts grow (measured: see the README's \"Cohorts in the hundreds\"): "
+WHY = ("Why the per-message path slows as cohorts grow (measured: see docs/how-to/ray.md): "
        "Flower 1.41's simulation engine polls every node for its messages every 0.1 s "
        "(`vce_api.add_messages_to_queue`), and each poll scans every stored message under the state's lock "
        "(`InMemoryLinkState.get_message_ins`): O(C N) work per sweep, on the clients' cores. With several clients "

@@ -376,7 +376,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
 
 
 REAL_DATA_NEXT = ("real images: `fedlora run --config fashion_mnist` (Fashion-MNIST, offline after `sudo apt-get install "
-                  "dataset-fashion-mnist`; README, \"Real data\")")
+                  "dataset-fashion-mnist`; docs/tutorials/real-data.md)")
 
 
 def _done(rows: list[dict], out_dir, config) -> None:
@@ -393,7 +393,8 @@ def _done(rows: list[dict], out_dir, config) -> None:
         print(f"done: metrics.jsonl and global-state.safetensors in {out_dir}; the server does not hold the sketch "
               f"secret: on a node, `fedlora reconstruct {out_dir} --sketch-secret-file PATH` writes the adapter")
     else:
-        print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/ and accuracy.png in {out_dir}")
+        events = " and TensorBoard events" if config.tracker == "tensorboard" else ""
+        print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/, accuracy.png{events} in {out_dir}")
     if config.dataset == "synthetic":  # the quickstart's data: say where real images are
         print(REAL_DATA_NEXT)
 

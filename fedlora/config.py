@@ -35,6 +35,7 @@ from fedlora.data import (
     synthetic_splits,
 )
 from fedlora.models import MODELS, adapted_layer_shapes
+from fedlora.tracking import TRACKERS
 from fedlora.training import LOCAL_OPTIMIZERS
 
 DATASETS = ("synthetic", "cifar100", "fashion-mnist")
@@ -162,6 +163,9 @@ class RunConfig:
                                  "a release and counts in epsilon)", low=0)
     reply_timeout: float = _opt(600.0, "seconds a round waits for its clients' replies", low=0.0, low_open=True)
     eval_every: int = _opt(1, "evaluate the global model every this many rounds", low=1)
+    tracker: str = _opt("tensorboard", "where each round's metrics go besides metrics.jsonl: TensorBoard event files in "
+                                       "the run directory (`tensorboard --logdir runs/`), or nowhere else",
+                        choices=TRACKERS)
     seed: int = _opt(0, "seed of the model init, data, sampling, sketches and (simulation) noise", low=0)
     noise_source: str = _opt("seeded", "the noise: seeded from the run seed (reproducible simulations only: anyone with "
                                        "the seed removes it, so every epsilon says so, and a run outside a simulation "
@@ -373,7 +377,7 @@ class RunConfig:
 
     def required_replies(self) -> int:
         """Valid replies a round needs to be aggregated: min-replies, or half of N rounded up; under secure
-        aggregation, where it is N_min, 90% of N rounded down and at least 3 (README, "Secure aggregation")."""
+        aggregation, where it is N_min, 90% of N rounded down and at least 3 (docs: tutorials/secure-aggregation.md)."""
         if self.min_replies:
             return self.min_replies
         if self.noise_placement == "secagg":  # each reply carries 1 / N_min of the noise: a full sum N / N_min of it

@@ -21,6 +21,7 @@ from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.events import OBSERVER_LABELS, Observer, Phase, observers
+from fedlora.tracking import tracker_for, write_progress
 from fedlora.training import evaluate, select_device
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -128,6 +129,7 @@ class RunRecorder:
         self.rows: list[dict] = list(rows or [])  # as in metrics.jsonl: null where a round has no value
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
+        self.tracker = tracker_for(config.tracker, self.out_dir, rounds_kept=len(self.rows))
         self.model = protocol.build_model().to(select_device())
         self.base = get_adapters(self.model)
         self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size)
@@ -170,8 +172,14 @@ class RunRecorder:
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+        if self.tracker is not None:
+            self.tracker.log(row)
         self.echo(format_progress(row, self.config))
         return row
+
+    def progress(self, round_: int, arrived: int, sent: int) -> None:
+        """The replies of the round under way so far, for the launcher to show while the round runs."""
+        write_progress(self.out_dir, round_, arrived, sent)
 
     def save(self, checkpoint: Checkpoint) -> None:
         """Writes the checkpoint with the metrics rows so far."""

@@ -30,6 +30,7 @@ from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
+from fedlora.tracking import read_progress
 
 CONNECTION = "fedlora-local"
 DEPLOYMENT_FILE = "deployment.json"  # in a deployment's run directory: the credentials it runs with
@@ -155,17 +156,61 @@ class Flower:
         if federation_config:
             args += ["--federation-config", federation_config]
         runner = self.start("flower", args)
+        in_round = RoundProgress(self.out_dir, config.num_rounds, echo)
         while True:
             finished = runner.poll() is not None
             lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
             for line in lines[done:]:
                 if line.strip():
+                    in_round.clear()
                     echo(format_progress(json.loads(line), config))
                     done += 1
             if finished:
+                in_round.clear()
                 break
+            in_round.show(done)
             time.sleep(0.5)
         return Checkpoint.load(self.out_dir) if state_path.is_file() else None
+
+
+class RoundProgress:
+    """The replies of the round under way, from the ServerApp's progress file: updated in place on a terminal;
+    elsewhere (a log, a pipe) a plain line every PLAIN_EVERY seconds of a round that lasts longer."""
+
+    PLAIN_EVERY = 30.0
+
+    def __init__(self, out_dir: Path, num_rounds: int, echo, *, live: bool | None = None):
+        self.out_dir, self.num_rounds, self.echo = out_dir, num_rounds, echo
+        self.live = echo is print and sys.stdout.isatty() if live is None else live
+        self.shown = ""  # the text on the terminal's current line
+        self.round, self.round_seen, self.printed = 0, 0.0, 0.0
+
+    def text(self, rounds_done: int) -> str | None:
+        progress = read_progress(self.out_dir)
+        if not progress or progress["round"] <= rounds_done:  # none yet, or a round whose line is out
+            return None
+        return f"round {progress['round']:>3}/{self.num_rounds}  {progress['arrived']} of {progress['sent']} replies"
+
+    def show(self, rounds_done: int) -> None:
+        text = self.text(rounds_done)
+        if text is None:
+            return
+        now = time.monotonic()
+        if rounds_done + 1 != self.round:
+            self.round, self.round_seen, self.printed = rounds_done + 1, now, now
+        if self.live and text != self.shown:
+            sys.stdout.write("\r\033[K" + text)
+            sys.stdout.flush()
+            self.shown = text
+        elif not self.live and now - self.printed >= self.PLAIN_EVERY:
+            self.echo(f"  {text} so far")
+            self.printed = now
+
+    def clear(self) -> None:
+        if self.shown:
+            sys.stdout.write("\r\033[K")
+            sys.stdout.flush()
+            self.shown = ""
 
 
 def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list[dict]:

@@ -5,7 +5,7 @@ the tiny ViT is pretrained here, on one of two public sources:
 
 - ``vit-tiny-public``: 100 synthetic classes whose prototypes come from a seed stream of their own
   (``make_synthetic_cifar(public=True)``), disjoint from every federation's classes. The synthetic quickstart's
-  backbone. It does not transfer to real images (README, "The offline public backbones").
+  backbone. It does not transfer to real images (docs: explanation/backbones.md).
 - ``vit-tiny-fashion-public``: Fashion-MNIST's public split, the last 10,000 of its 60,000 training images, which
   no federation uses (``load_fashion_mnist("train")`` is the first 50,000). The real-data preset's backbone.
 
@@ -49,7 +49,7 @@ class Recipe:
 
 # The synthetic backbone's recipe is the one it was built with. The real images' adds what a ViT trained from scratch
 # on little data needs: warmup, label smoothing, random shifts and more epochs (about 38 of the 10,000 public images;
-# at 13 epochs and without shifts its linear probe was 0.839, README "The offline public backbones").
+# at 13 epochs and without shifts its linear probe was 0.839, docs/explanation/backbones.md).
 RECIPES = {"vit-tiny-public": Recipe(steps=1_000), "vit-tiny-fashion-public": Recipe(6_000, 100, 0.1, shift=4)}
 SYNTHETIC_PUBLIC_CLASSES = 100
 SYNTHETIC_PUBLIC_EXAMPLES = 32_000

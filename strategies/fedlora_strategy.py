@@ -21,6 +21,7 @@ from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED
 from fedlora.mechanisms import NoisePlacement
 from fedlora.federation import LORA, PACKED, GlobalState, Protocol, derive_seed, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
+from fedlora.strategies.replies import gather
 from fedlora.strategies.secure_aggregation import secure_sum
 
 
@@ -48,7 +49,7 @@ class FedLoRAStrategy(Strategy):
 
     def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
                  sampling: SamplingScheme, releases: dict, *, save: Callable[[], None] = lambda: None,
-                 simulated: bool = False):
+                 simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None):
         self.protocol = protocol
         self.config = protocol.config
         self.state = state
@@ -57,6 +58,7 @@ class FedLoRAStrategy(Strategy):
         self.sampling = sampling
         self.phase_releases = releases  # phase -> what one release of that phase is, for the ledger
         self.save = save
+        self.progress = progress  # (round, replies arrived, messages sent) while a round's replies come in
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
         # simulation-nodes: several clients per message, dealt over that many nodes (else a node per client)
         self.num_nodes = self.config.flower_nodes()
@@ -155,7 +157,8 @@ class FedLoRAStrategy(Strategy):
             if self.protocol.placement is NoisePlacement.SECAGG:
                 arrays = self._secure_round(grid, server_round, messages, timeout)
             else:
-                arrays, _ = self.aggregate_train(server_round, grid.send_and_receive(messages, timeout=timeout))
+                arrays, _ = self.aggregate_train(server_round, gather(
+                    grid, messages, timeout=timeout, progress=lambda *counts: self.progress(server_round, *counts)))
             if arrays is not None:
                 return arrays
             if self.status == RESTART:
@@ -384,7 +387,8 @@ class FedLoRAStrategy(Strategy):
         codec, shapes = protocol.secure_sum(mechanism, released), protocol.secure_shapes(released)
         result = secure_sum(grid, {m.metadata.dst_node_id: m.content for m in messages},
                             shapes={name: shapes[name] for name in sorted(shapes)}, threshold=info["needed"],
-                            half_range=codec.half_range, timeout=timeout, group_id=str(info["release"]))
+                            half_range=codec.half_range, timeout=timeout, group_id=str(info["release"]),
+                            progress=lambda *counts: self.progress(server_round, *counts))
         for node, why in result.failed.items():
             if isinstance(why, Error):
                 if self.simulated and why.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker

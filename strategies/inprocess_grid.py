@@ -16,6 +16,7 @@ from flwr.supercore.task_identity import TaskIdentity
 
 class InProcessGrid(Grid):
     simulation = True  # every client runs in this process: seeded noise and a run-seed sketch secret may run here
+    synchronous = True  # send_and_receive answers every message before it returns (no replies to watch arrive)
 
     def __init__(self, client_app, num_nodes: int, run_config: dict, *, fail: set[int] = frozenset(),
                  node_ids: list[int] | None = None):

@@ -12,7 +12,7 @@ The server only ever holds masked vectors, summed as they arrive, and the unmask
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -24,6 +24,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen
 from flwr.serverapp import Grid
 from flwr.supercore.primitives.asymmetric import bytes_to_private_key, bytes_to_public_key
+
+from fedlora.strategies.replies import gather
 
 MASK_MODULUS = 2 ** 32  # Flower's SecAgg+ masks modulo 2^32; the encoding's modulus 2c divides it
 METRICS = "fitres.metrics"  # the record of a client's telemetry beside its masked vector (the mod's reply layout)
@@ -56,7 +58,8 @@ def _configs(reply: Message) -> ConfigRecord:
 
 
 def secure_sum(grid: Grid, contents: Mapping[int, RecordDict], *, shapes: Mapping[str, tuple[int, ...]],
-               threshold: int, half_range: int, timeout: float | None, group_id: str) -> SecureSum:
+               threshold: int, half_range: int, timeout: float | None, group_id: str,
+               progress: Callable[[int, int], None] = lambda arrived, sent: None) -> SecureSum:
     """Runs the four stages with the nodes of ``contents`` (each node's training message) and returns the sum of
     their encoded releases (entries ``shapes``, in that order), or ``total = None`` if fewer than ``threshold``
     vectors were summed or could be unmasked: such a sum would carry less noise than accounted, and is not released.
@@ -70,7 +73,7 @@ def secure_sum(grid: Grid, contents: Mapping[int, RecordDict], *, shapes: Mappin
             node = message.metadata.dst_node_id
             out.bytes_down[node] = out.bytes_down.get(node, 0) + _payload_bytes(_configs(message))
         replies = {}
-        for reply in grid.send_and_receive(messages, timeout=timeout):
+        for reply in gather(grid, messages, timeout=timeout, progress=progress):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 out.failed[node] = reply.error

@@ -41,7 +41,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
                            rows=saved.rows if saved else None)
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
                                sampling_of(config), plan.releases, save=lambda: recorder.save(strategy.checkpoint()),
-                               simulated=simulated)
+                               simulated=simulated, progress=recorder.progress)
     if saved:
         strategy.restore(saved)
         if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics

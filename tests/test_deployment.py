@@ -189,10 +189,18 @@ def test_reconstruct_needs_a_finished_run(capsys, tmp_path):
     assert "holds no global-state.safetensors" in capsys.readouterr().err
 
 
-def test_the_readme_deployment_steps_work_verbatim(tmp_path):
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split("<!-- deployment steps: begin -->")[1].split("<!-- deployment steps: end -->")[0]
-    script = block.split("```bash\n")[1].split("```")[0]
+DEPLOY_TUTORIAL = ROOT / "docs" / "tutorials" / "deploy.md"
+
+
+def _tutorial_block(marker: str) -> str:
+    """A bash block of the deployment tutorial, between its markers: the lines a user copies."""
+    page = DEPLOY_TUTORIAL.read_text()
+    block = page.split(f"<!-- {marker}: begin -->")[1].split(f"<!-- {marker}: end -->")[0]
+    return block.split("```bash\n")[1].split("```")[0]
+
+
+def test_the_tutorials_deployment_steps_work_verbatim(tmp_path):
+    script = _tutorial_block("deployment steps")
     assert script.startswith("DEPLOY=$PWD/deploy")
     script = script.replace("DEPLOY=$PWD/deploy", f"DEPLOY={tmp_path}", 1)  # the same steps, elsewhere
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
@@ -211,17 +219,11 @@ def test_the_readme_deployment_steps_work_verbatim(tmp_path):
     assert not leftover_flower_processes()
 
 
-def _readme_block(marker: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    block = readme.split(f"<!-- {marker}: begin -->")[1].split(f"<!-- {marker}: end -->")[0]
-    return block.split("```bash\n")[1].split("```")[0]
-
-
-def test_the_readme_restart_steps_resume_a_deployment_whose_server_was_killed(tmp_path):
-    """The README's steps 1-5, the SuperLink and the ServerApp killed (-9) in round 1, then the README's restart
+def test_the_tutorials_restart_steps_resume_a_deployment_whose_server_was_killed(tmp_path):
+    """The tutorial's steps 1-5, the SuperLink and the ServerApp killed (-9) in round 1, then its restart
     lines verbatim: the SuperNodes, never restarted, reconnect to the new SuperLink and the run ends from its
     checkpoint, every release in the ledger once."""
-    steps = _readme_block("deployment steps").replace("DEPLOY=$PWD/deploy", f"DEPLOY={tmp_path}", 1)
+    steps = _tutorial_block("deployment steps").replace("DEPLOY=$PWD/deploy", f"DEPLOY={tmp_path}", 1)
     setup, run = steps.split("# 5.")[0], "flwr run" + steps.split("# 5.")[1].split("flwr run", 1)[1].split("# 6.")[0]
     shell = f"DEPLOY={tmp_path}\nexport FLWR_HOME=$DEPLOY/flwr-home\n"
     env = {**os.environ, "PATH": str(Path(sys.executable).parent) + os.pathsep + os.environ["PATH"]}
@@ -244,7 +246,7 @@ def test_the_readme_restart_steps_resume_a_deployment_whose_server_was_killed(tm
             member.kill()
         assert first.wait(timeout=120) != 0  # flwr run --stream lost the SuperLink: it exits with an error
         cut = Checkpoint.load(state.parent)
-        result = subprocess.run(["bash", "-e", "-c", shell + _readme_block("restart steps")], cwd=ROOT, env=env,
+        result = subprocess.run(["bash", "-e", "-c", shell + _tutorial_block("restart steps")], cwd=ROOT, env=env,
                                 capture_output=True, text=True, timeout=400)
         assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
         deadline = time.time() + 60  # the ServerApp writes its last checkpoint after `flwr run` returns

@@ -15,6 +15,7 @@ from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import run_simulation
+from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
 from tests.helpers import PAPER_FORM, leftover_flower_processes
 
@@ -47,6 +48,9 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == config.clients_per_round
     assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "accuracy.png").exists()
     assert json.loads((tmp_path / "config.json").read_text())["strategy"] == "sgmm-ffa-lora"
+    progress = read_progress(tmp_path)  # replies counted as they came back from the Ray clients
+    assert progress["round"] == 2 and progress["arrived"] == progress["sent"] > 0
+    assert list(tmp_path.glob("events.out.tfevents.*"))  # TensorBoard's, by default
     assert not leftover_flower_processes()
 
 
