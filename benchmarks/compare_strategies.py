@@ -5,7 +5,8 @@ accuracy per round (as the paper's Figure 1) and a table of final and best accur
     python -m benchmarks.compare_strategies --preset small-cohort  # the first quickstart (N = 4, random init)
     python -m benchmarks.compare_strategies --preset paper        # CIFAR-100 + ViT-B/16: a GPU job
     python -m benchmarks.compare_strategies --sweep target-epsilon=2,8,32 --strategies sgmm-ffa-lora,gm-ffa-lora
-Results: benchmarks/results/compare_<preset>[_<sweep key>].{md,csv,png}
+Results: benchmarks/results/compare_<preset>[_<sweep key>].{md,csv,png}. Runs are kept in compare_<...>_runs.json:
+re-running some strategies replaces their runs and keeps the others' (with the commit each was measured at).
 """
 
 from __future__ import annotations
@@ -64,7 +65,11 @@ def compare() -> None:
                 config = load_config(PRESETS[args.preset], overrides)
                 check_before_start(config)
                 configs[strategy, seed, value] = config
-    runs = []
+    name = f"compare_{args.preset}" + (f"_{sweep_key}" if sweep_key else "")
+    store = RESULTS / f"{name}_runs.json"
+    strategies = args.strategies.split(",")
+    runs = [r for r in (json.loads(store.read_text()) if store.is_file() else [])  # the other strategies' runs
+            if r.get("set", []) == args.set and r["sweep"] in sweep_values and r["strategy"] not in strategies]
     with tempfile.TemporaryDirectory() as tmp:
         for value in sweep_values:
             for strategy in args.strategies.split(","):
@@ -74,11 +79,10 @@ def compare() -> None:
                     print(f"== {strategy}, seed {seed}" + (f", {sweep_key} = {value}" if sweep_key else ""), flush=True)
                     rows = run_simulation(config, out, echo=lambda line: print("   ", line, flush=True))
                     runs.append({"strategy": strategy, "seed": int(seed), "sweep": value, "rows": rows,
-                                 "private": ALGORITHMS[strategy].private})
-    name = f"compare_{args.preset}" + (f"_{sweep_key}" if sweep_key else "")
+                                 "private": ALGORITHMS[strategy].private, "set": args.set, "commit": revision()})
     table = []
     for value in sweep_values:
-        for strategy in args.strategies.split(","):
+        for strategy in [s for s in ALGORITHMS if any(r["strategy"] == s for r in runs)]:
             group = [r for r in runs if r["strategy"] == strategy and r["sweep"] == value]
             finals = [g["rows"][-1]["accuracy"] for g in group]
             bests = [max(x["accuracy"] for x in g["rows"] if x["accuracy"] is not None) for g in group]
@@ -94,17 +98,22 @@ def compare() -> None:
                                                                              for x in g["rows"]) / 1024, 1),
                           "seconds_per_round": round(statistics.mean(x["seconds"] for g in group
                                                                      for x in g["rows"][1:]), 2)})
+    kept = {r["strategy"] for r in runs if r["strategy"] not in strategies}
+    kept_commits = {r.get("commit", "not recorded") for r in runs if r["strategy"] in kept}
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()
         writer.writerows(table)
-    (RESULTS / f"{name}_runs.json").write_text(json.dumps(runs, indent=1, default=str))
+    store.write_text(json.dumps(runs, indent=1, default=str))
     _plot(runs, RESULTS / f"{name}.png", sweep_key)
     config = load_config(PRESETS[args.preset], args.set)
     header = list(table[0])
     lines = [f"# Strategies compared ({args.preset} preset" + (f", sweep over {sweep_key}" if sweep_key else "") + ")",
-             "", f"Command: `{command_line('benchmarks.compare_strategies')}`  ", f"Commit: {revision()}  ", f"Machine: {machine()}  ",
+             "", f"Command: `{command_line('benchmarks.compare_strategies')}`"
+             + (f" (the runs of {', '.join(sorted(kept))} kept from earlier commands: {name}_runs.json)" if kept else "")
+             + "  ", f"Commit: {revision()}" + (f" (kept runs: {', '.join(sorted(kept_commits))})" if kept else "") + "  ",
+             f"Machine: {machine()}  ",
              f"Setting: {config.dataset} data, {config.model}, C = {config.num_clients}, N = {config.clients_per_round},"
              f" K = {config.local_steps}, batch {config.batch_size}, T = {config.num_rounds}, r = {config.rank}, "
              f"target epsilon {config.target_epsilon:g}, delta {config.delta:g}, seeds {args.seeds}; accuracy is the "

@@ -29,3 +29,30 @@ def test_the_frontier_counts_a_fedlora_run_of_its_config_and_refuses_another(tmp
     _write_run(other, load_config("fashion_mnist", ["strategy=\"ffa-lora\"", "seed=1"]))
     with pytest.raises(ValueError, match=r"holds another run \(seed = 1, planned 0\)"):
         _check_run_dir(other, reference["config"])
+
+
+def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_path, monkeypatch):
+    """Re-running some strategies replaces their runs in compare_<preset>_runs.json and keeps the other
+    strategies' rows, the header naming them and their commit."""
+    import sys
+
+    import benchmarks.compare_strategies as compare
+
+    accuracy = {"ffa-lora": 0.9, "gm-ffa-lora": 0.6}
+
+    def fake_run(config, out, echo):
+        return [{"round": r, "accuracy": accuracy[config.strategy], "noise_multiplier": 1.0, "epsilon": 8.0,
+                 "threat_model": "known-sketch", "bytes_up": 1024, "bytes_down": 2048, "seconds": 1.0} for r in (1, 2)]
+
+    monkeypatch.setattr(compare, "RESULTS", tmp_path)
+    monkeypatch.setattr(compare, "run_simulation", fake_run)
+    monkeypatch.setattr(sys, "argv", ["compare", "--strategies", "gm-ffa-lora,ffa-lora", "--seeds", "0"])
+    compare.main()
+    accuracy["ffa-lora"] = 0.95
+    monkeypatch.setattr(sys, "argv", ["compare", "--strategies", "ffa-lora", "--seeds", "0"])
+    compare.main()
+    runs = json.loads((tmp_path / "compare_cpu_runs.json").read_text())
+    assert sorted((r["strategy"], r["rows"][-1]["accuracy"]) for r in runs) == [("ffa-lora", 0.95), ("gm-ffa-lora", 0.6)]
+    table = (tmp_path / "compare_cpu.md").read_text()
+    assert "| gm-ffa-lora | cpu | 0.600 |" in table and "| ffa-lora | cpu | 0.950 |" in table
+    assert "the runs of gm-ffa-lora kept from earlier commands" in table
