@@ -68,8 +68,10 @@ def compare() -> None:
     name = f"compare_{args.preset}" + (f"_{sweep_key}" if sweep_key else "")
     store = RESULTS / f"{name}_runs.json"
     strategies = args.strategies.split(",")
+    seeds = [int(seed) for seed in args.seeds.split(",")]
     runs = [r for r in (json.loads(store.read_text()) if store.is_file() else [])  # the other strategies' runs
-            if r.get("set", []) == args.set and r["sweep"] in sweep_values and r["strategy"] not in strategies]
+            if r.get("set") == args.set and r["sweep"] in sweep_values and r["seed"] in seeds
+            and r["strategy"] not in strategies]
     with tempfile.TemporaryDirectory() as tmp:
         for value in sweep_values:
             for strategy in args.strategies.split(","):
@@ -82,7 +84,7 @@ def compare() -> None:
                                  "private": ALGORITHMS[strategy].private, "set": args.set, "commit": revision()})
     table = []
     for value in sweep_values:
-        for strategy in [s for s in ALGORITHMS if any(r["strategy"] == s for r in runs)]:
+        for strategy in [s for s in ALGORITHMS if any(r["strategy"] == s and r["sweep"] == value for r in runs)]:
             group = [r for r in runs if r["strategy"] == strategy and r["sweep"] == value]
             finals = [g["rows"][-1]["accuracy"] for g in group]
             bests = [max(x["accuracy"] for x in g["rows"] if x["accuracy"] is not None) for g in group]
@@ -135,7 +137,7 @@ def _plot(runs: list[dict], path: Path, sweep_key: str | None) -> None:
     values = list(dict.fromkeys(r["sweep"] for r in runs))
     fig, axes = plt.subplots(1, len(values), figsize=(6 * len(values), 4), squeeze=False)
     for ax, value in zip(axes[0], values):
-        for strategy in dict.fromkeys(r["strategy"] for r in runs):
+        for strategy in dict.fromkeys(r["strategy"] for r in runs if r["sweep"] == value):
             group = [r for r in runs if r["strategy"] == strategy and r["sweep"] == value]
             rounds = [x["round"] for x in group[0]["rows"]]
             means = [statistics.mean(g["rows"][i]["accuracy"] for g in group) for i in range(len(rounds))]

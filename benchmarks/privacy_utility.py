@@ -185,7 +185,8 @@ def _check_run_dir(path: Path, config: RunConfig) -> None:
 
     if (path / "config.json").is_file():
         saved, planned = load_run_config(path)[0].to_mapping(), config.to_mapping()
-        if differ := sorted(k for k in {*saved, *planned} if saved.get(k) != planned.get(k)):
+        reporting = {"tracker"}  # where the metrics go besides metrics.jsonl: not what the run measures
+        if differ := sorted(k for k in {*saved, *planned} - reporting if saved.get(k) != planned.get(k)):
             keys = ", ".join(f"{k} = {saved.get(k)!r}, planned {planned.get(k)!r}" for k in differ[:3])
             raise ValueError(f"{path} holds another run ({keys}).")
 

@@ -15,6 +15,7 @@ global model is that round's state plus the noise over N, exactly what either pl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -42,7 +43,8 @@ def measure(seed: int, draws: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as out:
         run_inprocess(config, Path(out) / "run")
         clean = Checkpoint.load(Path(out) / "run").state
-        recorder = RunRecorder(config, Protocol(config, Z), Path(out) / "eval", echo=lambda line: None)
+        recorder = RunRecorder(dataclasses.replace(config, tracker="none"), Protocol(config, Z), Path(out) / "eval",
+                               echo=lambda line: None)  # evaluates only: no run to track
         names = sorted(clean.message)
         dim = sum(clean.message[name].numel() for name in names)
 

@@ -21,7 +21,7 @@ from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.events import OBSERVER_LABELS, Observer, Phase, observers
-from fedlora.tracking import tracker_for, write_progress
+from fedlora.tracking import clear_progress, tracker_for, write_progress
 from fedlora.training import evaluate, select_device
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -130,6 +130,7 @@ class RunRecorder:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.metrics_path.write_text("".join(json.dumps(row) + "\n" for row in self.rows))
         self.tracker = tracker_for(config.tracker, self.out_dir, rounds_kept=len(self.rows))
+        clear_progress(self.out_dir)
         self.model = protocol.build_model().to(select_device())
         self.base = get_adapters(self.model)
         self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size)
@@ -185,6 +186,12 @@ class RunRecorder:
         """Writes the checkpoint with the metrics rows so far."""
         checkpoint.rows = self.rows
         checkpoint.save(self.out_dir)
+
+    def close(self) -> None:
+        """Flushes and closes the TensorBoard writer (its thread and file), however the run ended."""
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
 
     def finish(self, state: GlobalState, *, status: str = FINISHED, reason: str = "") -> None:
         """After the last round (or an early stop): the adapter in PEFT format (if the server can de-sketch

@@ -30,7 +30,7 @@ from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
-from fedlora.tracking import read_progress
+from fedlora.tracking import clear_progress, read_progress
 
 CONNECTION = "fedlora-local"
 DEPLOYMENT_FILE = "deployment.json"  # in a deployment's run directory: the credentials it runs with
@@ -155,21 +155,24 @@ class Flower:
         args = ["flwr", "run", str(app_dir), CONNECTION, "--stream"]
         if federation_config:
             args += ["--federation-config", federation_config]
+        clear_progress(self.out_dir)  # an interrupted round's count is not this run's
         runner = self.start("flower", args)
         in_round = RoundProgress(self.out_dir, config.num_rounds, echo)
-        while True:
-            finished = runner.poll() is not None
-            lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-            for line in lines[done:]:
-                if line.strip():
-                    in_round.clear()
-                    echo(format_progress(json.loads(line), config))
-                    done += 1
-            if finished:
-                in_round.clear()
-                break
-            in_round.show(done)
-            time.sleep(0.5)
+        try:
+            while True:
+                finished = runner.poll() is not None
+                lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+                for line in lines[done:]:
+                    if line.strip():
+                        in_round.clear()
+                        echo(format_progress(json.loads(line), config))
+                        done += 1
+                if finished:
+                    break
+                in_round.show(done)
+                time.sleep(0.5)
+        finally:  # however it ends (Ctrl-C included), the terminal's line is left clean
+            in_round.clear()
         return Checkpoint.load(self.out_dir) if state_path.is_file() else None
 
 
@@ -183,7 +186,7 @@ class RoundProgress:
         self.out_dir, self.num_rounds, self.echo = out_dir, num_rounds, echo
         self.live = echo is print and sys.stdout.isatty() if live is None else live
         self.shown = ""  # the text on the terminal's current line
-        self.round, self.round_seen, self.printed = 0, 0.0, 0.0
+        self.round, self.printed = 0, 0.0  # the round shown, and when its last plain line was printed
 
     def text(self, rounds_done: int) -> str | None:
         progress = read_progress(self.out_dir)
@@ -197,7 +200,7 @@ class RoundProgress:
             return
         now = time.monotonic()
         if rounds_done + 1 != self.round:
-            self.round, self.round_seen, self.printed = rounds_done + 1, now, now
+            self.round, self.printed = rounds_done + 1, now
         if self.live and text != self.shown:
             sys.stdout.write("\r\033[K" + text)
             sys.stdout.flush()

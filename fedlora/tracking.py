@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import logging
 import time
 from pathlib import Path
 
@@ -30,8 +31,8 @@ class TensorBoardTracker:
     def __init__(self, out_dir: Path, *, rounds_kept: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        # a resumed run drops what its interrupted self wrote after the checkpoint, as metrics.jsonl does
-        self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=rounds_kept + 1 if rounds_kept else None)
+        # drops what an interrupted run wrote after its checkpoint's last round, as metrics.jsonl does
+        self.writer = SummaryWriter(log_dir=str(out_dir), purge_step=rounds_kept + 1)
 
     def log(self, row: dict) -> None:
         step = row["round"]
@@ -53,15 +54,25 @@ def tracker_for(kind: str, out_dir: Path, *, rounds_kept: int = 0) -> TensorBoar
 
 
 def write_progress(out_dir: Path, round_: int, arrived: int, sent: int) -> None:
-    """The round's replies so far, atomically (the launcher reads it while it changes)."""
+    """The round's replies so far, atomically (the launcher reads it while it changes). The count is a display:
+    a failure to write it is logged and the round goes on."""
     path = Path(out_dir) / PROGRESS_FILE
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"round": round_, "arrived": arrived, "sent": sent, "time": time.time()}))
-    os.replace(partial, path)
+    try:
+        partial.write_text(json.dumps({"round": round_, "arrived": arrived, "sent": sent, "time": time.time()}))
+        os.replace(partial, path)
+    except OSError as error:
+        logging.getLogger(__name__).warning("Could not write %s: %s", path, error)
+
+
+def clear_progress(out_dir: Path) -> None:
+    """No round under way (a run starting or resuming): an earlier run's counts are not this one's."""
+    (Path(out_dir) / PROGRESS_FILE).unlink(missing_ok=True)
 
 
 def read_progress(out_dir: Path) -> dict | None:
     try:
-        return json.loads((Path(out_dir) / PROGRESS_FILE).read_text())
+        progress = json.loads((Path(out_dir) / PROGRESS_FILE).read_text())
     except (OSError, ValueError):
         return None
+    return progress if isinstance(progress, dict) and {"round", "arrived", "sent"} <= progress.keys() else None

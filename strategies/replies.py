@@ -8,20 +8,23 @@ from collections.abc import Callable
 from flwr.app import Message
 from flwr.serverapp import Grid
 
-PULL_INTERVAL = 0.5  # seconds between the pulls of a round's replies (Flower's own loop waits 3 on a SuperLink)
+PULL_INTERVAL = 3.0  # seconds between pulls where the grid names none (Flower's loop on a SuperLink waits 3)
 
 
 def gather(grid: Grid, messages: list[Message], *, timeout: float | None,
            progress: Callable[[int, int], None] = lambda arrived, sent: None) -> list[Message]:
-    """Flower's send_and_receive, telling ``progress`` how many replies have arrived of how many were sent as
-    they arrive: push, then pull until every message is answered or the timeout passes."""
-    progress(0, len(messages))
+    """Flower's send_and_receive, telling ``progress`` how many replies (error replies included) have arrived of
+    how many messages were sent, as they arrive: push, then pull until every message is answered or the timeout
+    passes."""
     if getattr(grid, "synchronous", False):  # answers every message before it returns: nothing to watch
+        progress(0, len(messages))
         replies = list(grid.send_and_receive(messages, timeout=timeout))
         progress(len(replies), len(messages))
         return replies
-    waiting = set(grid.push_messages(messages))
-    sent, replies = len(waiting), []
+    # as Flower's own loop, at the grid's own pace; a message the grid could not push (no id) is not waited for
+    waiting = {message_id for message_id in grid.push_messages(messages) if message_id}
+    sent, replies, interval = len(waiting), [], getattr(grid, "pull_interval", PULL_INTERVAL)
+    progress(0, sent)
     end = time.monotonic() + (timeout if timeout is not None else float("inf"))
     while waiting and time.monotonic() < end:
         arrived = list(grid.pull_messages(waiting))
@@ -29,6 +32,6 @@ def gather(grid: Grid, messages: list[Message], *, timeout: float | None,
             replies += arrived
             waiting -= {reply.metadata.reply_to_message_id for reply in arrived}
             progress(len(replies), sent)
-        elif waiting:
-            time.sleep(PULL_INTERVAL)
+        if waiting:
+            time.sleep(interval)
     return replies

@@ -68,12 +68,13 @@ def secure_sum(grid: Grid, contents: Mapping[int, RecordDict], *, shapes: Mappin
     sampled = list(contents)
     n = len(sampled)
 
-    def exchange(messages: list[Message]) -> dict[int, Message]:
+    def exchange(messages: list[Message], counted: bool = False) -> dict[int, Message]:
         for message in messages:
             node = message.metadata.dst_node_id
             out.bytes_down[node] = out.bytes_down.get(node, 0) + _payload_bytes(_configs(message))
         replies = {}
-        for reply in gather(grid, messages, timeout=timeout, progress=progress):
+        # the collect stage, where clients train, is the round's long wait: its replies are the ones counted
+        for reply in gather(grid, messages, timeout=timeout, progress=progress if counted else lambda *_: None):
             node = reply.metadata.src_node_id
             if reply.has_error():
                 out.failed[node] = reply.error
@@ -122,7 +123,7 @@ def secure_sum(grid: Grid, contents: Mapping[int, RecordDict], *, shapes: Mappin
 
     expected = [(1,), *shapes.values()]  # the mod puts its weight first
     masked, summed = None, []
-    for node, reply in exchange(_stage_messages(keyed, collect, group_id, contents)).items():
+    for node, reply in exchange(_stage_messages(keyed, collect, group_id, contents), counted=True).items():
         vector = [bytes_to_ndarray(b) for b in _configs(reply)[Key.MASKED_PARAMETERS]]
         if [tuple(v.shape) for v in vector] != [tuple(s) for s in expected] \
                 or any(v.dtype.kind not in "iu" or v.min() < 0 or v.max() >= MASK_MODULUS for v in vector):

@@ -55,10 +55,13 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
                   **{f"epsilon against {observer}": value for observer, value in row["epsilon_by_observer"].items()}}
         return MetricRecord({k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)})
 
-    strategy.start(grid, to_arrays(strategy.state.broadcast), num_rounds=config.num_rounds,
-                   timeout=config.reply_timeout, evaluate_fn=evaluate_fn)
-    recorder.finish(strategy.state, status=strategy.status, reason=strategy.reason)
-    strategy.save()  # the final status last: an ended run has its adapter
+    try:
+        strategy.start(grid, to_arrays(strategy.state.broadcast), num_rounds=config.num_rounds,
+                       timeout=config.reply_timeout, evaluate_fn=evaluate_fn)
+        recorder.finish(strategy.state, status=strategy.status, reason=strategy.reason)
+        strategy.save()  # the final status last: an ended run has its adapter
+    finally:
+        recorder.close()
     return strategy
 
 

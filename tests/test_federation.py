@@ -108,7 +108,7 @@ def test_the_quickstarts_private_setting_rises_above_chance(tmp_path):
 def test_private_sgmm_flexlora_in_the_quickstarts_setting_rises_above_chance(tmp_path):
     """The quickstart's setting with sgmm-flexlora (clients send the sketched change of each product B A, noise at
     the server) for 2 rounds calibrated for epsilon 8 over them, fixed seed: its updates accumulate, where the
-    adapter form sat at chance (README, FlexLoRA: updates of the product)."""
+    adapter form sat at chance (docs/explanation/private-learning.md, FlexLoRA: updates of the product)."""
     config = {"strategy": "sgmm-flexlora", "num-rounds": 2, "eval-every": 2, "test-examples": 300,
               "out-dir": str(tmp_path)}
     grid = InProcessGrid(client_app, 500, config)

@@ -12,7 +12,7 @@ from fedlora.launch import RoundProgress
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.replies import gather
 from fedlora.strategies.server_app import run_federation
-from fedlora.tracking import SCALARS, epsilon_tag, read_progress, write_progress
+from fedlora.tracking import SCALARS, TensorBoardTracker, epsilon_tag, read_progress, write_progress
 from tests.helpers import PAPER_FORM
 
 SMALL = {**PAPER_FORM, "num-clients": 4, "clients-per-round": 2, "num-rounds": 2, "local-steps": 1, "batch-size": 8,
@@ -51,14 +51,17 @@ def test_tracker_none_writes_no_event_files_and_the_last_round_reports_every_rep
 
 
 class TrickleGrid:
-    """A grid whose replies arrive one per pull (as from a SuperLink); node 9 never answers."""
+    """A grid whose replies arrive one per pull (as from a SuperLink); node 9 never answers, and a message to
+    node 0 cannot be pushed (no id, as Flower's HttpGrid returns)."""
+
+    pull_interval = 0.01
 
     def __init__(self):
         self.pending = []
 
     def push_messages(self, messages):
         self.pending = [(f"m{i}", m.metadata.dst_node_id) for i, m in enumerate(messages)]
-        return [message_id for message_id, _ in self.pending]
+        return [message_id if node else None for message_id, node in self.pending]
 
     def pull_messages(self, message_ids):
         answerable = [(i, node) for i, node in self.pending if i in message_ids and node != 9]
@@ -83,8 +86,14 @@ def test_gather_reports_each_reply_as_it_arrives_and_reaches_the_sent_count():
 
 def test_gather_stops_at_the_timeout_with_the_replies_so_far():
     seen = []
-    replies = gather(TrickleGrid(), _messages(1, 9), timeout=1.2, progress=lambda *counts: seen.append(counts))
+    replies = gather(TrickleGrid(), _messages(1, 9), timeout=0.5, progress=lambda *counts: seen.append(counts))
     assert len(replies) == 1 and seen[-1] == (1, 2)
+
+
+def test_gather_does_not_wait_for_a_message_that_was_never_pushed():
+    seen = []
+    replies = gather(TrickleGrid(), _messages(1, 0, 2), timeout=30, progress=lambda *counts: seen.append(counts))
+    assert len(replies) == 2 and seen == [(0, 2), (1, 2), (2, 2)]  # the unpushed message: neither sent nor awaited
 
 
 def test_round_progress_is_in_place_on_a_terminal_and_plain_lines_elsewhere(tmp_path, capsys):
@@ -101,3 +110,22 @@ def test_round_progress_is_in_place_on_a_terminal_and_plain_lines_elsewhere(tmp_
     plain.show(rounds_done=2)
     plain.show(rounds_done=3)  # the round's line is out: its progress is stale
     assert lines == ["  round   3/10  17 of 50 replies so far"]
+
+
+def _row(round_, accuracy):
+    return {"round": round_, "accuracy": accuracy, "epsilon_by_observer": {}, "threat_model": "known-sketch"}
+
+
+def test_a_resumed_run_replaces_what_its_interrupted_self_wrote_after_the_checkpoint(tmp_path):
+    """Killed after logging round 2 but before its checkpoint (which holds round 1): the resumed run's round 2
+    replaces the lost one, so each round has one point, as in metrics.jsonl."""
+    first = TensorBoardTracker(tmp_path)
+    first.log(_row(1, 0.5))
+    first.log(_row(2, 0.6))
+    first.close()
+    resumed = TensorBoardTracker(tmp_path, rounds_kept=1)
+    resumed.log(_row(2, 0.7))
+    resumed.close()
+    events = EventAccumulator(str(tmp_path), size_guidance={"scalars": 0})
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("test/accuracy")] == [(1, 0.5), (2, 0.7)]
