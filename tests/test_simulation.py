@@ -41,6 +41,7 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     lines = []
     rows = run_simulation(config, Path("run"), echo=lines.append)
     tmp_path = tmp_path / "run"
+    lines = [line for line in lines if not line.endswith("replies so far")]  # a round past 30 s says how it goes
     assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
     label = trust_label("known-sketch", config.noise_placement, "model", seeded=True)
     assert lines[0].startswith("round   1/2  accuracy") and f"({label})" in lines[0]
