@@ -149,8 +149,9 @@ def main() -> None:
     store = RESULTS / f"{stem(args.config)}.json"
     done = json.loads(store.read_text()) if store.is_file() else {}
     todo = [] if args.table_only else [r for r in runs if r["key"] not in done]
-    # What is least known first: noise at the client and private FlexLoRA sit at chance already at epsilon 8
-    todo.sort(key=lambda r: (r["placement"] == "client", _family(r["strategy"]) == "flex"))
+    # What is least known first: noise at the client and private FlexLoRA sit at chance already at epsilon 8; each
+    # from the largest epsilon down, so that a benchmark stopped midway leaves the most informative rows
+    todo.sort(key=lambda r: (r["placement"] == "client", _family(r["strategy"]) == "flex", -r["epsilon"]))
     todo = list({r["key"]: r for r in todo}.values())  # a run two parts share, once
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     # Workers are spawned processes that return results; only this process writes the store.

@@ -8,6 +8,7 @@ model and replies with one release per client.
 
 from __future__ import annotations
 
+import sys
 import time
 from functools import lru_cache
 
@@ -182,10 +183,19 @@ def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: Gl
                                   noise=round_noise(config, protocol, release, partition_id),
                                   clip_norm=round_clip_norm(msg))
     metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
-               "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds}
+               "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **_ray_node()}
     if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
         metrics["train-loss"] = float(result.train_loss)
     return result.release, metrics, result.clip_bit
+
+
+def _ray_node() -> dict[str, int]:
+    """In a simulation, the Ray node that trained the client (its id's first 48 bits): a round's row counts the
+    machines its replies came from. Nothing outside Ray (a SuperNode)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return {}
+    return {"ray-node": int(ray.get_runtime_context().get_node_id()[:12], 16)}
 
 
 def canary_train(msg: Message, context: Context, direction: dict) -> Message:

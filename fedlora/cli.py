@@ -410,16 +410,37 @@ def run(args: argparse.Namespace) -> None:
     if config.sketch_secret == "node-file":
         raise CLIError('sketch-secret = "node-file" needs SuperNodes that hold the secret: use `fedlora deploy`; '
                        "simulations derive it from the run seed.")
+    address = _cluster_address(args)
     out_dir = _prepare(args, config, "run")
-    _done(run_simulation(config, out_dir), out_dir, config)
+    _check_cluster(address, config)
+    _done(run_simulation(config, out_dir, ray_address=address), out_dir, config)
 
 
 def resume(args: argparse.Namespace) -> None:
-    """Continues a simulation from its checkpoint, with its own config."""
+    """Continues a simulation from its checkpoint, with its own config (on the cluster given now, if any)."""
     from fedlora.launch import run_simulation
 
+    address = _cluster_address(args)
     out_dir, config, _ = _resumable(args, "run")
-    _done(run_simulation(config, out_dir, resume=True), out_dir, config)
+    _check_cluster(address, config)
+    _done(run_simulation(config, out_dir, resume=True, ray_address=address), out_dir, config)
+
+
+def _cluster_address(args: argparse.Namespace) -> str | None:
+    """The Ray cluster the run joins (--ray-address, else RAY_ADDRESS), once it answers; None: Ray starts here."""
+    from fedlora.cluster import check_address, ray_address
+
+    if (address := ray_address(args.ray_address)) is not None:
+        check_address(address)
+    return address
+
+
+def _check_cluster(address: str | None, config) -> None:
+    """Every node of the cluster can run the run's clients (fedlora.cluster.check_cluster); prints the cluster."""
+    from fedlora.cluster import check_cluster, describe
+
+    if address is not None:
+        print(describe(address, check_cluster(address, config), config))
 
 
 def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):
@@ -623,6 +644,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
     r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
                                                    "a kill or a stop), with its own config")
+    r.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on the Ray cluster whose head is there "
+                                                             "(default: RAY_ADDRESS if set, else a Ray of its own on "
+                                                             "this machine); run this on a node of the cluster")
 
     dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
     dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")

@@ -161,7 +161,7 @@ class RunRecorder:
                "releases": ledger.rounds if ledger is not None else info.get("release", round_),
                "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
                "replies": info.get("replies", 0), "failed": info.get("failed", 0),
-               "rejected": info.get("rejected", 0),
+               "rejected": info.get("rejected", 0), "nodes": info.get("nodes", 0),
                "bytes_up": info.get("bytes_up", 0), "bytes_down": info.get("bytes_down", 0),
                "aggregation_seconds": info.get("aggregation_seconds", 0.0),
                "client_train_seconds": info.get("train_seconds", math.nan),
@@ -257,6 +257,8 @@ def format_progress(row: dict, config: RunConfig) -> str:
     line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"
+    if row.get("nodes", 0) > 1:
+        line += f"  (replies from {row['nodes']} Ray nodes)"
     if row.get("releases", row["round"]) > row["round"]:
         line += f"  ({row['releases']} releases: retries count)"
     return line

@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
+from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
@@ -237,9 +238,10 @@ def _flower(out_dir: Path):
 
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0, resume: bool = False,
-                   client_app: str = "fedlora.clients.app:app") -> list[dict]:
-    """Runs (or, with ``resume``, continues) the federation on Ray; returns the per-round metrics. A run that
-    lost a Ray worker is restarted from its checkpoint. Raises LaunchError if it does not end."""
+                   client_app: str = "fedlora.clients.app:app", ray_address: str | None = None) -> list[dict]:
+    """Runs (or, with ``resume``, continues) the federation on Ray: a Ray of its own on this machine, or with
+    ``ray_address`` the cluster there (fedlora.cluster); returns the per-round metrics. A run that lost a Ray
+    worker (or a cluster node) is restarted from its checkpoint. Raises LaunchError if it does not end."""
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
     out_dir.mkdir(parents=True, exist_ok=True)
     for restart in range(ENGINE_RESTARTS + 1):
@@ -247,9 +249,10 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
         with _flower(out_dir) as flower:
             port = free_port()
             flower.connect(port, None)
+            # Flower's Ray backend calls ray.init() in a process the SuperLink starts: the address goes by the environment
             superlink = flower.start("superlink", [
                 "flower-superlink", "--simulation", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                "--disable-runtime-dependency-installation"])
+                "--disable-runtime-dependency-installation"], env={RAY_ADDRESS_ENV: ray_address or LOCAL})
             flower.wait_for_port(port, superlink, "superlink", start_timeout)
             saved = flower.follow(app_dir, config, echo, federation_config=(
                 f"num-supernodes={config.flower_nodes()} client-resources-num-cpus={config.client_cpus} "

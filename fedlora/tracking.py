@@ -17,6 +17,7 @@ PROGRESS_FILE = "progress.json"
 SCALARS = {"accuracy": "test/accuracy", "loss": "test/loss", "train_loss": "train/loss",
            "clip_norm": "privacy/clip norm", "noise_multiplier": "privacy/noise multiplier",
            "sampled": "clients/sampled", "replies": "clients/replies", "rejected": "clients/rejected",
+           "nodes": "clients/Ray nodes",
            "bytes_up": "traffic/bytes up", "bytes_down": "traffic/bytes down", "seconds": "time/seconds"}
 
 

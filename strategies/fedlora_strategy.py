@@ -372,7 +372,7 @@ class FedLoRAStrategy(Strategy):
             info["clip_fraction"] = fraction
         info.update(aggregation_seconds=time.time() - started,
                     bytes_up=sum(num_bytes(m) for m in releases) / len(releases),
-                    **_mean_telemetry(metrics))
+                    nodes=len({int(m["ray-node"]) for m in metrics if "ray-node" in m}), **_mean_telemetry(metrics))
         del releases, valid, clients  # with noise at the server, no single message outlives the aggregation
         return to_arrays(self.state.broadcast), MetricRecord({"train-loss": info["train_loss"], "replies": info["replies"]})
 
