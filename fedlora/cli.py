@@ -443,6 +443,22 @@ def _check_cluster(address: str | None, config) -> None:
         print(describe(address, check_cluster(address, config), config))
 
 
+def cluster(args: argparse.Namespace) -> None:
+    """Every node of the cluster, checked as a run's start checks it, one line each."""
+    from fedlora.cluster import check_cluster, describe
+    from fedlora.config import load_config
+
+    config = load_config(args.config, args.set)
+    address = _cluster_address(args)
+    if address is None:
+        raise CLIError("No cluster to check: give --ray-address HOST:PORT or set RAY_ADDRESS.")
+    nodes = check_cluster(address, config)
+    for node in nodes:
+        print(f"  node {node}: {node.cpus:g} CPUs, {node.gpus:g} GPUs, {node.clients(config)} clients at a time: "
+              f"fedlora, Flower and the {config.dataset} data found")
+    print(describe(address, nodes, config))
+
+
 def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):
     """The run directory and config of the run `fedlora <command> --resume` continues, once it is known to be one
     that command can continue, and what ``check`` found (it raises if the run cannot continue); prints what will
@@ -648,6 +664,12 @@ def build_parser() -> argparse.ArgumentParser:
                                                              "(default: RAY_ADDRESS if set, else a Ray of its own on "
                                                              "this machine); run this on a node of the cluster")
 
+    cl = commands.add_parser("cluster", help="check that every node of a Ray cluster can run a config's clients "
+                                             "(as `fedlora run --ray-address` does first; for `flwr run` users)")
+    cl.add_argument("--config", help="a TOML preset, or a packaged preset by name; default: the quickstart")
+    cl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    cl.add_argument("--ray-address", metavar="HOST:PORT", help="the cluster's head (default: RAY_ADDRESS)")
+
     dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
     dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")
     dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
@@ -743,6 +765,8 @@ def main(argv: list[str] | None = None) -> int:
             run(args)
         elif args.command == "deploy":
             deploy(args)
+        elif args.command == "cluster":
+            cluster(args)
         elif args.command == "credentials":
             from fedlora.credentials import make_credentials
             creds = make_credentials(args.dir, hosts=tuple(args.host) or ("127.0.0.1", "localhost"), nodes=args.nodes)

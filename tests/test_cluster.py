@@ -77,7 +77,7 @@ def test_a_node_without_fedlora_says_so(monkeypatch):
     assert probe({}, "0.2.0", "1.41.0").startswith("cannot import it")
 
 
-def test_the_check_names_the_node_without_the_data(cluster):
+def test_the_check_names_the_node_without_the_data(cluster, capsys):
     config = RunConfig.from_mapping({**TINY, "dataset": "fashion-mnist"})
     with pytest.raises(ValueError) as error:
         check_cluster(cluster.address, config)
@@ -87,6 +87,12 @@ def test_the_check_names_the_node_without_the_data(cluster):
     assert len(nodes) == 2 and [n.clients(RunConfig.from_mapping(TINY)) for n in nodes] == [1, 1]
     with pytest.raises(ValueError, match="No node of the Ray cluster .* has the resources of one client"):
         check_cluster(cluster.address, RunConfig.from_mapping({**TINY, "client-cpus": 2}))
+    capsys.readouterr()
+    assert main(["cluster", "--ray-address", cluster.address]) == 0  # the same check, alone, for `flwr run` users
+    assert capsys.readouterr().out.count("clients at a time: fedlora, Flower and the synthetic data found") == 2
+    assert main(["cluster", "--ray-address", cluster.address, "--set", 'dataset="fashion-mnist"']) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot run this run's clients: Fashion-MNIST is not in /nonexistent" in err[0]
 
 
 def test_a_run_on_two_nodes_trains_on_both_and_ends_as_on_a_local_ray(cluster, tmp_path, capsys):
