@@ -132,12 +132,22 @@ def train(msg: Message, context: Context) -> Message:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
     records = {}
-    for partition_id in round_config[PACKED]:
-        data = _local_data(config, NodeSettings(int(partition_id), config.num_clients))
-        one = client_records(*_client_round(msg, config, protocol, state, int(partition_id), data, startup_seconds))
-        records.update({packed_key(key, partition_id): record for key, record in one.items()})
+    for group in client_groups([int(p) for p in round_config[PACKED]], protocol, config.client_batch):
+        datasets = [_local_data(config, NodeSettings(p, config.num_clients)) for p in group]
+        for partition_id, one in zip(group, _client_rounds(msg, config, protocol, state, group, datasets,
+                                                           startup_seconds)):
+            records.update({packed_key(key, partition_id): record for key, record in client_records(*one).items()})
         startup_seconds = 0.0
     return Message(RecordDict(records), reply_to=msg)
+
+
+def client_groups(partitions: list[int], protocol: Protocol, size: int) -> list[list[int]]:
+    """The clients of a message in groups that train together: of one rank each (a group shares one model),
+    at most ``size`` (client-batch) each, in the message's order within a rank."""
+    by_rank: dict[int, list[int]] = {}
+    for partition in partitions:
+        by_rank.setdefault(protocol.client_rank(partition), []).append(partition)
+    return [clients[i:i + size] for clients in by_rank.values() for i in range(0, len(clients), size)]
 
 
 def secure_train(msg: Message, context: Context) -> Message:
@@ -176,17 +186,27 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
 def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,
                   data, startup_seconds: float) -> tuple[dict, dict, float | None]:
     """One client's round: its release, telemetry and clip bit."""
-    model, base = _model(config, protocol.client_rank(partition_id))
+    return _client_rounds(msg, config, protocol, state, [partition_id], [data], startup_seconds)[0]
+
+
+def _client_rounds(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState,
+                   partition_ids: list[int], datasets: list, startup_seconds: float) -> list[tuple[dict, dict, float | None]]:
+    """The rounds of clients of one rank, trained together: each one's release, telemetry and clip bit."""
+    model, base = _model(config, protocol.client_rank(partition_ids[0]))
     round_config = msg.content["config"]
     round_, release = int(round_config["server-round"]), int(round_config["release"])
-    result = protocol.local_round(model, base, data, state, round_=round_, release=release, partition_id=partition_id,
-                                  noise=round_noise(config, protocol, release, partition_id),
-                                  clip_norm=round_clip_norm(msg))
-    metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
-               "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **_ray_node()}
-    if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
-        metrics["train-loss"] = float(result.train_loss)
-    return result.release, metrics, result.clip_bit
+    results = protocol.local_rounds(model, base, datasets, state, round_=round_, release=release,
+                                    partition_ids=partition_ids, clip_norm=round_clip_norm(msg),
+                                    noises=[round_noise(config, protocol, release, p) for p in partition_ids])
+    out = []
+    for partition_id, result in zip(partition_ids, results):
+        metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
+                   "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **_ray_node()}
+        if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
+            metrics["train-loss"] = float(result.train_loss)
+        out.append((result.release, metrics, result.clip_bit))
+        startup_seconds = 0.0
+    return out
 
 
 def _ray_node() -> dict[str, int]:

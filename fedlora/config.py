@@ -177,6 +177,9 @@ class RunConfig:
                                      "client a message, as in a deployment; k: k nodes, each round's sampled clients "
                                      "spread over them, several per message: for cohorts in the hundreds, whose "
                                      "thousands of nodes Flower's engine would poll)", low=0)
+    client_batch: int = _opt(1, "clients a simulation node trains together, in one forward and backward per local step "
+                                "(several clients per message: simulation-nodes); each computes what it would "
+                                "alone, up to floating-point summation order", low=1)
 
     @staticmethod
     def key(name: str) -> str:
@@ -252,6 +255,9 @@ class RunConfig:
         if self.simulation_nodes > self.num_clients:
             problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")
+        if self.client_batch > 1 and not self.simulation_nodes:
+            problems.append(f"client-batch = {self.client_batch} trains together the clients one message carries: set "
+                            "simulation-nodes too (one message per client trains one at a time).")
         if self.min_replies > self.clients_per_round:
             problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
                             f"({self.clients_per_round}).")

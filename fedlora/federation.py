@@ -41,7 +41,7 @@ from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, side_of
-from fedlora.training import local_train
+from fedlora.training import local_train, local_train_clients
 
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
 PROBE, LORA = "linear-probe", "lora"  # the phases of a run
@@ -261,24 +261,50 @@ class Protocol:
                     clip_norm: float | None = None) -> ClientRound:
         """One client's round: load the global state, K local SGD steps, clip, privatize. ``release`` (default:
         the round) seeds the sketch and the batches; ``clip_norm`` is the round's (adaptive clipping)."""
+        return self.local_rounds(model, base, [dataset], state, round_=round_, partition_ids=[partition_id],
+                                 noises=[noise], release=release, clip_norm=clip_norm)[0]
+
+    def local_rounds(self, model, base: dict[str, LoRAFactors], datasets: Sequence, state: GlobalState, *,
+                     round_: int, partition_ids: Sequence[int], noises: Sequence[torch.Generator | None],
+                     release: int | None = None, clip_norm: float | None = None) -> list[ClientRound]:
+        """The rounds of several clients of one rank, each what ``local_round`` gives it alone: trained together
+        (one forward and backward per local step, ``local_train_clients``) when there are several, then each
+        clipped and privatized with its own noise. Each client's train seconds are the shared time's share."""
         started = time.perf_counter()
         release = round_ if release is None else release
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
         start = {n: t.detach().cpu().clone() for n, t in self.client_message(model, phase).items()}
-        generator = torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, partition_id))
-        # the training transform's random flips draw from torch's global generator: seed it per client round,
-        # or runs with the same seed differ with the worker that happened to run the client
-        torch.manual_seed(derive_seed(self.config.seed, "augment", release, partition_id))
-        loss = local_train(model, dataset, steps=self.config.local_steps, batch_size=self.config.batch_size,
-                           lr=self.config.lr, generator=generator, optimizer=self.config.local_optimizer)
-        trained = time.perf_counter()
-        message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
-        if self.sends_updates:
-            message = self.update_of(start, message)
-        out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
-        return ClientRound(out, loss, trained - started, time.perf_counter() - trained, bit)
+        generators = [torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, p))
+                      for p in partition_ids]
+        # the training transform's random flips draw from torch's global generator: seeded per client round, or
+        # runs with the same seed differ with the worker that happened to run the client
+        augment = [derive_seed(self.config.seed, "augment", release, p) for p in partition_ids]
+        train = dict(steps=self.config.local_steps, batch_size=self.config.batch_size, lr=self.config.lr,
+                     optimizer=self.config.local_optimizer)
+        if len(datasets) == 1:
+            torch.manual_seed(augment[0])
+            losses = [local_train(model, datasets[0], generator=generators[0], **train)]
+            trained = [None]  # the model holds it
+        else:
+            trained, losses = local_train_clients(model, datasets, generators=generators, augment_seeds=augment,
+                                                  **train)
+        train_seconds = (time.perf_counter() - started) / len(datasets)
+        params = dict(model.named_parameters())
+        rounds = []
+        for client, loss, noise in zip(trained, losses, noises):
+            privatizing = time.perf_counter()
+            if client is not None:
+                with torch.no_grad():
+                    for name, value in client.items():
+                        params[name].copy_(value)
+            message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
+            if self.sends_updates:
+                message = self.update_of(start, message)
+            out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
+            rounds.append(ClientRound(out, loss, train_seconds, time.perf_counter() - privatizing, bit))
+        return rounds
 
     def privatize(self, message: Message, *, round_: int, release: int, noise: torch.Generator | None,
                   clip_norm: float | None = None) -> tuple[Message, float | None]:

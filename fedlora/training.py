@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +47,104 @@ def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: f
         step.step()
         total += loss.item()
     return total / steps
+
+
+def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, batch_size: int, lr: float,
+                        generators: Sequence[torch.Generator], augment_seeds: Sequence[int],
+                        optimizer: str = "sgd") -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+    """``local_train`` of M clients at once, all starting from the model's current trainable parameters: each step
+    one forward and backward of the M clients' batches concatenated, through the frozen backbone shared and each
+    client's own copy of every trainable linear (LoRA factors, head: StackedLinear). Returns each client's trained
+    parameters (by name) and mean loss; the model's own parameters are left as they were.
+
+    Each client computes what ``local_train`` computes alone, up to floating-point summation order: its batches
+    come from its own ``generators[m]`` and its augmentation from the global generator seeded with
+    ``augment_seeds[m]`` (saved and restored around its draws), the loss summed over clients gives each client's
+    copy its own gradient, and SGD and Adam act elementwise, so one optimizer over the stacked copies is M
+    independent ones. The backbone must be deterministic in training (no dropout).
+    """
+    clients = len(datasets)
+    if not clients or len(generators) != clients or len(augment_seeds) != clients:
+        raise ValueError("local_train_clients needs one dataset, generator and augmentation seed per client.")
+    if any(len(d) == 0 for d in datasets):
+        raise ValueError("Cannot train on an empty partition.")
+    if optimizer not in LOCAL_OPTIMIZERS:
+        raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
+    device = next(model.parameters()).device
+    kept = torch.get_rng_state()
+    streams = []
+    for seed in augment_seeds:
+        torch.manual_seed(seed)
+        streams.append(torch.get_rng_state())
+    with stacked_linears(model, clients) as stacked:
+        params = list(stacked.values())
+        step = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
+        model.train()
+        total = torch.zeros(clients, dtype=torch.float64)
+        for _ in range(steps):
+            pixels, labels = [], []
+            for m, dataset in enumerate(datasets):
+                indices = torch.randint(len(dataset), (batch_size,), generator=generators[m]).tolist()
+                torch.set_rng_state(streams[m])
+                batch = dataset[indices]
+                streams[m] = torch.get_rng_state()
+                pixels.append(batch["pixel_values"])
+                labels.append(batch["labels"])
+            out = logits(model, torch.cat(pixels).to(device))
+            losses = F.cross_entropy(out, torch.cat(labels).to(device), reduction="none").view(clients, -1).mean(1)
+            step.zero_grad(set_to_none=True)
+            losses.sum().backward()
+            step.step()
+            total += losses.detach().double().cpu()
+        trained = [{name: p[m].detach().clone() for name, p in stacked.items()} for m in range(clients)]
+    torch.set_rng_state(kept)
+    return trained, (total / steps).tolist()
+
+
+class StackedLinear(nn.Module):
+    """M copies of a linear layer, one per client, over an input whose first dimension is the M clients' examples
+    in client order: client m's examples meet copy m only."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.bias = weight, bias  # (M, out, in) and (M, out): leaves the optimizer updates
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        clients, (out_features, in_features) = self.weight.shape[0], self.weight.shape[1:]
+        grouped = x.reshape(clients, -1, in_features)  # (M, examples x tokens, in)
+        y = torch.bmm(grouped, self.weight.transpose(1, 2))
+        if self.bias is not None:
+            y = y + self.bias.unsqueeze(1)
+        return y.reshape(*x.shape[:-1], out_features)
+
+
+@contextmanager
+def stacked_linears(model: nn.Module, clients: int) -> Iterator[dict[str, torch.Tensor]]:
+    """Every linear with a trainable parameter replaced, while inside, by a StackedLinear of ``clients`` copies of
+    it (each starting from its values); yields the stacked tensors by the model's parameter names."""
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    swapped, stacked = [], {}
+    for name, module in list(model.named_modules()):
+        own = {f"{name}.{p}" if name else p for p, param in module.named_parameters(recurse=False)
+               if param.requires_grad}
+        if not own & trainable:
+            continue
+        if type(module) is not nn.Linear:
+            raise ValueError(f"Clients train together only through linear layers; '{name}' is a "
+                             f"{type(module).__name__} with trainable parameters.")
+        weight = module.weight.detach().unsqueeze(0).repeat(clients, 1, 1).requires_grad_(module.weight.requires_grad)
+        bias = (module.bias.detach().unsqueeze(0).repeat(clients, 1).requires_grad_(module.bias.requires_grad)
+                if module.bias is not None else None)
+        stacked.update({f"{name}.weight": weight, **({f"{name}.bias": bias} if bias is not None else {})})
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        swapped.append((parent, child, module))
+        parent._modules[child] = StackedLinear(weight, bias)
+    try:
+        yield {n: t for n, t in stacked.items() if t.requires_grad}
+    finally:
+        for parent, child, module in swapped:
+            parent._modules[child] = module
 
 
 @torch.no_grad()

@@ -42,6 +42,7 @@ BAD_CONFIGS = [
     ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
     ({"min-replies": 51}, "min-replies (51) cannot exceed clients-per-round (50)"),
     ({"num-clients": 8, "clients-per-round": 4, "simulation-nodes": 9}, "simulation-nodes (9) cannot exceed num-clients"),
+    ({"client-batch": 4}, "client-batch = 4 trains together the clients one message carries: set simulation-nodes"),
     ({"rank": 0}, "rank must be >= 1"),
     ({"rank": 500}, "Rank 500 exceeds the smallest side (192)"),
     ({"sketch-dim": 500}, "Sketch dimension 500 must lie in [1, 192] for sgmm-ffa-lora"),

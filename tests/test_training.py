@@ -4,7 +4,10 @@ import pytest
 import torch
 from torch import nn
 
-from fedlora.training import LOCAL_OPTIMIZERS, evaluate, local_train
+from fedlora.algorithms import LoRAMode
+from fedlora.data import make_synthetic_cifar, to_torch
+from fedlora.lora import build_lora_model
+from fedlora.training import LOCAL_OPTIMIZERS, evaluate, local_train, local_train_clients, stacked_linears
 
 
 class Batches:
@@ -58,3 +61,43 @@ def test_local_training_refuses_an_empty_partition_and_an_unknown_optimizer():
     with pytest.raises(ValueError, match="Unknown local optimizer 'lamb'; choose one of: sgd, adam."):
         local_train(linear_model(), Batches(), steps=1, batch_size=4, lr=0.1, generator=torch.Generator(),
                     optimizer="lamb")
+
+
+@pytest.mark.parametrize("model_name, mode, optimizer", [("vit-tiny", LoRAMode.FFA, "adam"),
+                                                         ("timm-vit-tiny", LoRAMode.FLEX, "sgd")])
+def test_clients_trained_together_compute_what_each_computes_alone(model_name, mode, optimizer):
+    """Adapters (FFA: B; Flex: A and B) and head of three clients, each from its own batches and augmentation,
+    trained in one pass per step: each client's change and loss equal its own training's, within 1e-4."""
+    model = build_lora_model(model_name, num_classes=10, rank=2, alpha=4.0, mode=mode, train_head=True)
+    data = [to_torch(make_synthetic_cifar(40, num_classes=10, seed=s), 32, train=True) for s in range(3)]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train = {"steps": 3, "batch_size": 4, "lr": 0.01, "optimizer": optimizer}
+    together, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m) for m in range(3)],
+                                           augment_seeds=[10 + m for m in range(3)], **train)
+    assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # the model is left as it was
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert together[0].keys() == trainable and any("lora_A" in n for n in trainable) == (mode is LoRAMode.FLEX)
+    for m in range(3):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        torch.manual_seed(10 + m)
+        loss = local_train(model, data[m], generator=torch.Generator().manual_seed(m), **train)
+        alone = {n: p.detach() - start[n] for n, p in model.named_parameters() if n in trainable}
+        error = sum(((together[m][n] - start[n]) - alone[n]).norm() ** 2 for n in alone) ** 0.5
+        assert error <= 1e-4 * sum(alone[n].norm() ** 2 for n in alone) ** 0.5
+        assert losses[m] == pytest.approx(loss, rel=1e-5)
+    assert len({round(loss, 6) for loss in losses}) == 3  # three different clients, not one three times
+
+
+def test_only_linear_layers_train_together():
+    model = nn.Sequential(nn.Flatten(), nn.LayerNorm(12), nn.Linear(12, 2))
+    with pytest.raises(ValueError, match="'1' is a LayerNorm with trainable parameters"):
+        with stacked_linears(model, 2):
+            pass
+    model[1].requires_grad_(False)
+    with stacked_linears(model, 2) as stacked:
+        assert {n: tuple(t.shape) for n, t in stacked.items()} == {"2.weight": (2, 2, 12), "2.bias": (2, 2)}
+        out = model(torch.randn(6, 3, 2, 2))  # three examples of each client
+        assert out.shape == (6, 2)
+    assert type(model[2]) is nn.Linear  # put back
