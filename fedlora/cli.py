@@ -437,15 +437,15 @@ def _cluster_address(args: argparse.Namespace) -> str | None:
 
 def _check_cluster(address: str | None, config) -> None:
     """Every node of the cluster can run the run's clients (fedlora.cluster.check_cluster); prints the cluster."""
-    from fedlora.cluster import check_cluster, describe
+    from fedlora.cluster import check_cluster, cluster_summary
 
     if address is not None:
-        print(describe(address, check_cluster(address, config), config))
+        print(cluster_summary(address, check_cluster(address, config), config))
 
 
 def cluster(args: argparse.Namespace) -> None:
     """Every node of the cluster, checked as a run's start checks it, one line each."""
-    from fedlora.cluster import check_cluster, describe
+    from fedlora.cluster import check_cluster, cluster_summary
     from fedlora.config import load_config
 
     config = load_config(args.config, args.set)
@@ -455,8 +455,8 @@ def cluster(args: argparse.Namespace) -> None:
     nodes = check_cluster(address, config)
     for node in nodes:
         print(f"  node {node}: {node.cpus:g} CPUs, {node.gpus:g} GPUs, {node.clients(config)} clients at a time: "
-              f"fedlora, Flower and the {config.dataset} data found")
-    print(describe(address, nodes, config))
+              f"the same fedlora and libraries, the {config.dataset} data reachable")
+    print(cluster_summary(address, nodes, config))
 
 
 def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, config: None):

@@ -15,6 +15,7 @@ import contextlib
 import math
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -58,62 +59,144 @@ def ray_address(given: str | None = None) -> str | None:
 
 
 def check_cluster(address: str, config: RunConfig, *, timeout: float = PROBE_TIMEOUT) -> list[ClusterNode]:
-    """The alive nodes of the cluster at ``address``, once each has run a probe: it imports fedlora and Flower (the
-    same versions as here) and reads the run's data as its clients will. Raises ValueError, one line, naming the
-    first node that fails, or if nothing answers at ``address`` or no node holds one client's resources."""
+    """The alive nodes of the cluster at ``address`` that can hold a client, once each has run a probe: it imports
+    fedlora and its libraries (the same versions as here) and looks for the run's data as its clients will. Raises
+    ValueError, one line, naming the first node that fails; or if nothing answers at ``address``, no node holds one
+    client's resources, or another job holds some of them (Flower sizes its workers by the cluster's total)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     check_address(address)
+    with _connected(address):
+        nodes = [node for node in _alive_nodes() if node.clients(config) > 0]
+        if not nodes:
+            raise ValueError(f"No node of the Ray cluster at {address} has the resources of one client "
+                             f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): lower them "
+                             "or add nodes.")
+        _wait_until_idle(address)
+        probe = ray.remote(num_cpus=0)(_probe())
+        pending = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(
+            config.to_mapping(), library_versions()): node for node in nodes}
+        deadline = time.time() + timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.time()))
+            if not ready:
+                raise ValueError(f"Ray node {next(iter(pending.values()))} did not finish fedlora's check within "
+                                 f"{timeout:.0f} s (starting a worker and looking for the data): is its Python "
+                                 "environment the same as this one's?")
+            node = pending.pop(ready[0])
+            try:
+                problem = ray.get(ready[0])
+            except Exception as error:  # the probe could not run there at all
+                problem = f"its worker failed: {_one_line(getattr(error, 'cause', None) or error)}"
+            if problem:
+                raise ValueError(f"Ray node {node} cannot run this run's clients: {problem}")
+        return nodes
+
+
+def wait_for_live_nodes(address: str, *, timeout: float = 120.0) -> int:
+    """Blocks until every node the cluster lists as alive answers (a node just lost stays listed until the head's
+    health checks give it up, and Flower would size its workers by it); returns how many there are."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ping = ray.remote(num_cpus=0)(lambda: None)
+    deadline = time.time() + timeout
+    with _connected(address):
+        while True:
+            nodes = _alive_nodes()
+            refs = [ping.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n.node_id, soft=False)).remote()
+                    for n in nodes]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=10)
+            if len(ready) == len(refs) and len(_alive_nodes()) == len(nodes):
+                return len(nodes)
+            if time.time() > deadline:
+                raise RuntimeError(f"The Ray cluster at {address} still lists nodes that do not answer after "
+                                   f"{timeout:.0f} s.")
+            time.sleep(2)
+
+
+def library_versions() -> dict[str, str]:
+    """What a node must share with this machine for its clients to compute what they would here."""
+    from importlib.metadata import version
+
+    return {name: version(name) for name in ("fedlora", "flwr", "torch", "transformers", "peft", "timm")}
+
+
+@contextlib.contextmanager
+def _connected(address: str):
+    """This process attached to the cluster as a Ray driver, then detached; the process's signal handlers kept
+    (ray.init replaces SIGTERM's) and RAY_ADDRESS out of the way (it would override "auto")."""
+    import ray
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    environment = os.environ.pop(RAY_ADDRESS_ENV, None)
     try:
         with warnings.catch_warnings():  # Ray's notice about a future default for GPU visibility
             warnings.simplefilter("ignore", FutureWarning)
             ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as error:
-        raise ValueError(f"Cannot join the Ray cluster at {address}: {str(error).splitlines()[0]}") from None
+        _restore(handlers, environment)
+        hint = (" Is this machine a node of the cluster (`ray start --address ...`)? A Ray driver runs on one."
+                if isinstance(error, ConnectionError) else "")
+        raise ValueError(f"Cannot join the Ray cluster at {address}: {_one_line(error)}{hint}") from None
     try:
-        nodes = [ClusterNode(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0),
-                             n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
-        if sum(node.clients(config) for node in nodes) == 0:
-            raise ValueError(f"No node of the Ray cluster at {address} has the resources of one client "
-                             f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): lower them "
-                             "or add nodes.")
-        from flwr import __version__ as flwr_version
-
-        from fedlora import __version__
-
-        probe = ray.remote(num_cpus=0)(_probe())
-        pending = {probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node.node_id, soft=False)).remote(
-            config.to_mapping(), __version__, flwr_version): node for node in nodes}
-        ready, late = ray.wait(list(pending), num_returns=len(pending), timeout=timeout)
-        for ref in ready:
-            try:
-                problem = ray.get(ref)
-            except Exception as error:  # the probe could not even start there (a worker's Python without Ray's deps)
-                problem = f"its worker failed: {str(error).splitlines()[0]}"
-            if problem:
-                raise ValueError(f"Ray node {pending[ref]} cannot run this run's clients: {problem}")
-        if late:
-            raise ValueError(f"Ray node {pending[late[0]]} did not answer fedlora's check within {timeout:.0f} s: is "
-                             "its worker able to start (same Python environment as this one)?")
-        return nodes
+        yield
     finally:
         ray.shutdown()
+        _restore(handlers, environment)
+
+
+def _restore(handlers: dict, environment: str | None) -> None:
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+    if environment is not None:
+        os.environ[RAY_ADDRESS_ENV] = environment
+
+
+def _alive_nodes() -> list[ClusterNode]:
+    import ray
+
+    return [ClusterNode(n["NodeID"], n["NodeManagerAddress"], n["Resources"].get("CPU", 0.0),
+                        n["Resources"].get("GPU", 0.0)) for n in ray.nodes() if n["Alive"]]
+
+
+def _wait_until_idle(address: str, timeout: float = 15.0) -> None:
+    """Another job's workers hold CPUs or GPUs: Flower would start as many workers as the cluster has in total,
+    and messages sent to those Ray cannot place wait out reply-timeout (a run's own workers free theirs within
+    seconds of its end, hence the wait)."""
+    import ray
+
+    deadline = time.time() + timeout
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        held = {r: total.get(r, 0.0) - free.get(r, 0.0) for r in ("CPU", "GPU") if total.get(r, 0.0)}
+        if all(h < 1e-6 for h in held.values()):
+            return
+        if time.time() > deadline:
+            busy = ", ".join(f"{h:g} of {total[r]:g} {r}s" for r, h in held.items() if h >= 1e-6)
+            raise ValueError(f"Another job holds {busy} of the Ray cluster at {address}: run one simulation at a time "
+                             "on a cluster (Flower starts a worker for every CPU or GPU it has).")
+        time.sleep(1)
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def check_address(address: str) -> None:
     """That ``address`` names a Ray head that answers (else ValueError, one line): ray.init would retry for minutes."""
     if address.startswith("ray://"):
-        raise ValueError(f"--ray-address {address}: Ray Client addresses (ray://) cannot run Flower's simulation; "
+        raise ValueError(f"Ray address {address}: Ray Client addresses (ray://) cannot run Flower's simulation; "
                          "run fedlora on a node of the cluster with the head's HOST:PORT (6379 by default).")
     if address == "auto":  # the cluster `ray start` left on this machine: ray.init finds it or says so at once
         return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"--ray-address {address}: expected HOST:PORT of the cluster's head (as `ray start --head` "
+        raise ValueError(f"Ray address {address}: expected HOST:PORT of the cluster's head (as `ray start --head` "
                          "prints it), or auto.")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as error:
         raise ValueError(f"Nothing answers at the Ray address {address} ({error.strerror or error}): start the head "
                          "with `ray start --head`, or check the address.") from None
@@ -123,28 +206,28 @@ def _probe():
     """The check each node runs, as a function pickled by value: a node without fedlora cannot import a function
     of fedlora, but runs this one and says so."""
 
-    def probe(mapping: dict, version: str, flwr_version: str) -> str | None:
+    def probe(mapping: dict, versions: dict[str, str]) -> str | None:
         try:
-            import flwr
+            from importlib.metadata import version
 
-            import fedlora
             from fedlora.config import RunConfig
             from fedlora.experiment import check_before_start
-        except ImportError as error:
-            return f"cannot import it ({error}): install the same fedlora ({version}) on every node"
-        if (fedlora.__version__, flwr.__version__) != (version, flwr_version):
-            return (f"it has fedlora {fedlora.__version__} and Flower {flwr.__version__}, this machine fedlora "
-                    f"{version} and Flower {flwr_version}: install the same on every node")
+
+            here = {name: version(name) for name in versions}
+        except Exception as error:  # noqa: BLE001 (whatever stops the import is what the user must hear)
+            return f"cannot import fedlora ({type(error).__name__}: {error}): install the same fedlora on every node"
+        if differ := [f"{name} {here[name]} (here {want})" for name, want in versions.items() if here[name] != want]:
+            return f"it has {', '.join(differ)}: install the same versions on every node"
         try:
             check_before_start(RunConfig.from_mapping(mapping))
-        except Exception as error:  # the data: missing files, an unreachable hub, a folder this node lacks
-            return str(error).splitlines()[0]
+        except Exception as error:  # noqa: BLE001 (the data: missing files, an unreachable hub, a folder it lacks)
+            return " ".join(str(error).split())
         return None
 
     return probe
 
 
-def describe(address: str, nodes: list[ClusterNode], config: RunConfig) -> str:
+def cluster_summary(address: str, nodes: list[ClusterNode], config: RunConfig) -> str:
     """One line: the cluster and how many clients it trains at once."""
     workers = sum(node.clients(config) for node in nodes)
     return (f"  Ray cluster at {address}: {len(nodes)} node{'s' * (len(nodes) != 1)}, {workers} clients at a time "
@@ -221,6 +304,8 @@ class LocalCluster:
 
 
 def _end_tree(process: subprocess.Popen, *, kill: bool) -> None:
+    if process.poll() is not None:  # ended and reaped: its pid may be another process's by now
+        return
     with contextlib.suppress(psutil.NoSuchProcess):
         root = psutil.Process(process.pid)
         tree = [root, *root.children(recursive=True)]

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
-from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV
+from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, wait_for_live_nodes
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
@@ -260,6 +260,8 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
         if saved is None or saved.status != RESTART or restart == ENGINE_RESTARTS:
             break
         echo(f"A simulation worker died: restarting the simulation engine, resuming after round {saved.rounds_done}.")
+        if ray_address:  # a lost node stays listed for a while: Flower would start workers on it again
+            echo(f"  on the Ray cluster's {wait_for_live_nodes(ray_address)} live nodes")
         resume = True
     return _outcome(saved, config, out_dir)
 

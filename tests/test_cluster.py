@@ -7,13 +7,14 @@ import json
 import subprocess
 import sys
 
+import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
-from fedlora.cluster import LocalCluster, _probe, check_address, check_cluster, ray_address
+from fedlora.cluster import LocalCluster, _probe, check_address, check_cluster, library_versions, ray_address
 from fedlora.config import RunConfig
 from fedlora.data import FASHION_MNIST_DIR_ENV
 from fedlora.launch import run_simulation
@@ -28,9 +29,14 @@ def flower_processes() -> list[str]:
     return [line for line in out if any(p in line for p in FLOWER) and not line.startswith("Z")]
 
 
-def ray_processes() -> list[str]:
-    out = subprocess.run(["ps", "-eo", "stat,cmd"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in out if ("raylet" in line or "gcs_server" in line) and not line.startswith("Z")]
+def ray_processes(cluster: LocalCluster) -> list[str]:
+    """The cluster's own live Ray processes (their command lines name its folder)."""
+    found = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if str(cluster.temp_dir) in command and process.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(command)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +75,20 @@ def test_a_bad_address_is_one_line_and_exit_2_before_anything_runs(capsys, tmp_p
     assert not (tmp_path / "run").exists()
 
 
-def test_a_node_without_fedlora_says_so(monkeypatch):
-    """The probe is pickled by value, so it runs on a node that cannot import fedlora, and says what is missing."""
-    probe = _probe()
-    assert probe(RunConfig.from_mapping(TINY).to_mapping(), "0.0.0", "0.0.0").startswith("it has fedlora")
-    monkeypatch.setitem(sys.modules, "fedlora", None)  # as on a node where it is not installed
-    assert probe({}, "0.2.0", "1.41.0").startswith("cannot import it")
+def test_a_node_without_fedlora_or_with_other_versions_says_so(monkeypatch):
+    """The probe travels pickled by value, so a Python without fedlora loads it, runs it and says what is missing."""
+    import ray.cloudpickle
+
+    blob = ray.cloudpickle.dumps(_probe())
+    code = ("import pickle, sys; sys.modules['fedlora'] = None; "  # as on a node where fedlora is not installed
+            "print(pickle.loads(sys.stdin.buffer.read())({}, {'fedlora': '0.2.0'}))")
+    out = subprocess.run([sys.executable, "-c", code], input=blob, capture_output=True, timeout=120)
+    assert out.stdout.decode().startswith("cannot import fedlora (ModuleNotFoundError"), out.stderr.decode()[-500:]
+    versions = {**library_versions(), "torch": "0.0.1"}
+    problem = _probe()(RunConfig.from_mapping(TINY).to_mapping(), versions)
+    assert problem == (f"it has torch {library_versions()['torch']} (here 0.0.1): install the same versions on "
+                       "every node")
+    assert _probe()(RunConfig.from_mapping(TINY).to_mapping(), library_versions()) is None
 
 
 def test_the_check_names_the_node_without_the_data(cluster, capsys):
@@ -89,7 +103,7 @@ def test_the_check_names_the_node_without_the_data(cluster, capsys):
         check_cluster(cluster.address, RunConfig.from_mapping({**TINY, "client-cpus": 2}))
     capsys.readouterr()
     assert main(["cluster", "--ray-address", cluster.address]) == 0  # the same check, alone, for `flwr run` users
-    assert capsys.readouterr().out.count("clients at a time: fedlora, Flower and the synthetic data found") == 2
+    assert capsys.readouterr().out.count("clients at a time: the same fedlora and libraries, the synthetic data reachable") == 2
     assert main(["cluster", "--ray-address", cluster.address, "--set", 'dataset="fashion-mnist"']) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot run this run's clients: Fashion-MNIST is not in /nonexistent" in err[0]
@@ -111,23 +125,26 @@ def test_a_run_on_two_nodes_trains_on_both_and_ends_as_on_a_local_ray(cluster, t
     assert not flower_processes()
 
 
-def test_a_node_lost_mid_round_costs_its_replies_and_the_run_goes_on(cluster, tmp_path):
+def test_a_node_lost_mid_round_costs_its_replies_and_the_run_goes_on(tmp_path):
     """The second node dies (SIGKILL of its raylet and workers) as round 2 starts: its client's reply fails, the
-    release stays counted, the engine restarts on the head alone, and the run finishes. Last: it ends the cluster."""
+    release stays counted, the engine restarts on the head alone once the cluster has given the node up, and the
+    run finishes. A cluster of its own: this one ends with a node less."""
     lines = []
+    with LocalCluster([1, 1]) as cluster:
+        assert len(ray_processes(cluster)) >= 2  # a raylet a node at least: what must be gone at the end
 
-    def echo(line: str) -> None:
-        lines.append(line)
-        if line.startswith("round   1/"):  # round 2's messages are out: its clients are training
-            cluster.stop_node(1, kill=True)
+        def echo(line: str) -> None:
+            lines.append(line)
+            if line.startswith("round   1/"):  # round 2's messages are out: its clients are training
+                cluster.stop_node(1, kill=True)
 
-    config = RunConfig.from_mapping({**TINY, "num-rounds": 3, "local-steps": 30})
-    rows = run_simulation(config, tmp_path / "run", echo=echo, ray_address=cluster.address)
-    assert any("restarting the simulation engine" in line for line in lines)
-    assert [r["round"] for r in rows] == [1, 2, 3] and Checkpoint.load(tmp_path / "run").status == FINISHED
-    lost = rows[1]
-    assert lost["failed"] == 1 and lost["replies"] == 1 and lost["releases"] == 2  # counted, not aggregated
-    assert rows[0]["nodes"] == 2 and rows[2]["nodes"] == 1 and rows[2]["replies"] == 2
-    assert rows[-1]["epsilon"] <= config.target_epsilon
-    cluster.stop()
-    assert not flower_processes() and not ray_processes()
+        config = RunConfig.from_mapping({**TINY, "num-rounds": 3, "local-steps": 30})
+        rows = run_simulation(config, tmp_path / "run", echo=echo, ray_address=cluster.address)
+        assert any("restarting the simulation engine" in line for line in lines)
+        assert "  on the Ray cluster's 1 live nodes" in lines
+        assert [r["round"] for r in rows] == [1, 2, 3] and Checkpoint.load(tmp_path / "run").status == FINISHED
+        lost = rows[1]
+        assert lost["failed"] == 1 and lost["replies"] == 1 and lost["releases"] == 2  # counted, not aggregated
+        assert rows[0]["nodes"] == 2 and rows[2]["nodes"] == 1 and rows[2]["replies"] == 2
+        assert rows[-1]["epsilon"] <= config.target_epsilon
+    assert not flower_processes() and not ray_processes(cluster) and not cluster.temp_dir.exists()
