@@ -1,0 +1,145 @@
+"""Client training speed against client-batch: the clients of a message trained one at a time (M = 1) or M at a
+time in one forward and backward per local step (fedlora.training.local_train_clients), through the product's
+own path (Protocol.local_rounds: load the global state, K local steps, clip, sketch, noise).
+
+    python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
+    python -m benchmarks.client_throughput --batches 1,4 --threads 2
+    python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random   # GPU: ViT-B/16, 224 px
+Each M runs in a fresh process (its peak memory is its own): a warm-up group, then at least --clients clients in
+groups of M; images a second = clients x K x batch / seconds. Results: benchmarks/results/client_throughput.{json,md},
+one row per (device, model, client-batch), rows of other devices and models kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+from benchmarks.common import RESULTS, command_line, machine, revision
+
+STORE = RESULTS / "client_throughput.json"
+
+
+def measure(preset: str, model: str | None, batch: int, clients: int, threads: int) -> dict:
+    """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
+    import torch
+
+    from fedlora.config import load_config
+    from fedlora.data import make_synthetic_cifar, to_torch
+    from fedlora.experiment import noise_for
+    from fedlora.federation import Protocol
+    from fedlora.lora import get_adapters
+    from fedlora.models import model_spec
+    from fedlora.training import select_device
+
+    torch.set_num_threads(threads)
+    overrides = ['dataset="synthetic"', "num-classes=100", *([f'model="{model}"'] if model else [])]
+    config = load_config(preset, overrides)
+    protocol = Protocol(config, noise_for(config).noise_multiplier)
+    device = select_device()
+    net = protocol.build_model(config.rank).to(device)
+    base, state = get_adapters(net), protocol.initial_state(net)
+    size = model_spec(config.model).image_size
+    groups = -(-clients // batch)
+    data = [to_torch(make_synthetic_cifar(64, num_classes=config.classes, image_size=size, seed=p), size, train=True)
+            for p in range(batch)]
+
+    def group(release: int) -> None:
+        protocol.local_rounds(net, base, data, state, round_=1, release=release, partition_ids=list(range(batch)),
+                              noises=[protocol.simulation_noise(release, p) for p in range(batch)])
+
+    group(0)  # warm-up: allocations, kernels
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    for g in range(groups):
+        group(g + 1)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    trained = groups * batch
+    peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # CPU: the process's peak RSS
+    return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "model": config.model,
+            "image-size": size, "client-batch": batch, "threads": threads, "local-steps": config.local_steps,
+            "batch-size": config.batch_size, "rank": config.rank, "clients": trained, "seconds": seconds,
+            "seconds-per-client": seconds / trained,
+            "images-per-second": trained * config.local_steps * config.batch_size / seconds,
+            "peak-memory-gib": peak / 2 ** 30,
+            "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS",
+            "machine": machine()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="quickstart", help="the config whose client is measured")
+    parser.add_argument("--model", help="another model than the preset's (GPU: vit-b16-random, offline)")
+    parser.add_argument("--batches", default="1,4,16,64", help="client-batch values M")
+    parser.add_argument("--clients", type=int, default=64, help="clients measured per M (whole groups of M)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (a Ray worker with 1 CPU has 1)")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
+    args = parser.parse_args()
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+        if any(b < 1 for b in batches) or args.clients < 1 or args.threads < 1:
+            raise ValueError
+    except ValueError:
+        print("client_throughput: error: --batches takes positive integers (1,4,16,64); --clients and --threads "
+              "must be at least 1.", file=sys.stderr)
+        sys.exit(2)
+    if args.one:
+        print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads)))
+        return
+    rows = []
+    for batch in batches:
+        child = [sys.executable, "-m", "benchmarks.client_throughput", "--preset", args.preset, "--clients",
+                 str(args.clients), "--threads", str(args.threads), "--one", str(batch),
+                 *(["--model", args.model] if args.model else [])]
+        out = subprocess.run(child, capture_output=True, text=True)
+        if out.returncode != 0:
+            print(out.stderr[-2000:], file=sys.stderr)
+            sys.exit(1)
+        row = {**json.loads(out.stdout.strip().splitlines()[-1]), "command": command_line("benchmarks.client_throughput"),
+               "commit": revision()}
+        rows.append(row)
+        print(f"M = {batch:>3}: {row['images-per-second']:7.1f} images/s, {row['seconds-per-client']:.3f} s a client, "
+              f"peak {row['peak-memory-gib']:.2f} GiB", flush=True)
+    def key(r: dict) -> tuple:
+        return r["device"], r["model"], r["client-batch"], r["threads"]
+
+    kept = [r for r in (json.loads(STORE.read_text()) if STORE.is_file() else []) if key(r) not in set(map(key, rows))]
+    table = sorted(kept + rows, key=lambda r: (r["device"], r["model"], r["threads"], r["client-batch"]))
+    RESULTS.mkdir(exist_ok=True)
+    STORE.write_text(json.dumps(table, indent=1) + "\n")
+    write_table(table)
+
+
+def write_table(rows: list[dict]) -> None:
+    lines = ["# Client training against client-batch", "",
+             "One client's round through the product's path (load the global state, K local steps, clip, sketch, "
+             "noise), M clients trained together in one forward and backward per local step; M = 1 is one at a time. "
+             "Images a second = clients x K x batch / seconds; speed-up against M = 1 of the same device, model and "
+             "threads. Peak memory: the device's allocated memory on a GPU, the process's peak RSS on a CPU.", "",
+             "| device | model (px) | threads | K, batch, rank | client-batch M | images / s | s a client | speed-up | "
+             "peak memory (GiB) | commit |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        base = next((b for b in rows if (b["device"], b["model"], b["threads"], b["client-batch"])
+                     == (r["device"], r["model"], r["threads"], 1)), None)
+        speed = f"{r['images-per-second'] / base['images-per-second']:.2f}x" if base else "-"
+        lines.append(f"| {r['device']} | {r['model']} ({r['image-size']}) | {r['threads']} | {r['local-steps']}, "
+                     f"{r['batch-size']}, {r['rank']} | {r['client-batch']} | {r['images-per-second']:.1f} | "
+                     f"{r['seconds-per-client']:.3f} | {speed} | {r['peak-memory-gib']:.2f} | {r['commit']} |")
+    machines = sorted({r["machine"] for r in rows})
+    commands = sorted({r["command"] for r in rows})
+    lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands) + "  ", "Machines: " + "; ".join(machines), ""]
+    (RESULTS / "client_throughput.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
