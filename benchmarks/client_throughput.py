@@ -1,13 +1,16 @@
 """Client training speed against client-batch: the clients of a message trained one at a time (M = 1) or M at a
 time in one forward and backward per local step (fedlora.training.local_train_clients), through the product's
-own path (Protocol.local_rounds: load the global state, K local steps, clip, sketch, noise).
+own path (Protocol.local_rounds: load the global state, K local steps, clip, sketch, noise), with the data decoded
+once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto: bf16 on a GPU).
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
-    python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random   # GPU: ViT-B/16, 224 px
-Each M runs in a fresh process (its peak memory is its own): a warm-up group, then at least --clients clients in
-groups of M; images a second = clients x K x batch / seconds. Results: benchmarks/results/client_throughput.{json,md},
-one row per (device, model, client-batch), rows of other devices and models kept.
+    python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline   # GPU
+--baseline adds the path before this work in the same run: one client at a time in fp32, each image decoded and
+transformed on the CPU when its batch is drawn. Each row runs in a fresh process (its peak memory is its own): a
+warm-up group, then at least --clients clients in groups of M; images a second = clients x K x batch / seconds; a
+group that does not fit the device's memory is a row saying so. Results: benchmarks/results/client_throughput.{json,md},
+one row per (device, model, threads, path, client-batch), rows of other devices and models kept.
 """
 
 from __future__ import annotations
@@ -24,7 +27,21 @@ from benchmarks.common import RESULTS, command_line, machine, revision
 STORE = RESULTS / "client_throughput.json"
 
 
-def measure(preset: str, model: str | None, batch: int, clients: int, threads: int) -> dict:
+PATHS = {"device": "data on the device, precision auto", "host": "per-image CPU transforms, fp32 (before)"}
+
+
+def host_images(dataset, image_size: int):
+    """The data path before DeviceImages: each image decoded and transformed on the CPU as its batch is drawn."""
+    import torch
+
+    from fedlora.data import IMAGE_COLUMN, LABEL_COLUMN, image_transform
+
+    transform = image_transform(image_size, train=True)
+    return dataset.with_transform(lambda b: {"pixel_values": torch.stack([transform(i) for i in b[IMAGE_COLUMN]]),
+                                             "labels": torch.as_tensor(b[LABEL_COLUMN], dtype=torch.int64)})
+
+
+def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str) -> dict:
     """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
     import torch
 
@@ -37,7 +54,8 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     from fedlora.training import select_device
 
     torch.set_num_threads(threads)
-    overrides = ['dataset="synthetic"', "num-classes=100", *([f'model="{model}"'] if model else [])]
+    overrides = ['dataset="synthetic"', "num-classes=100", *([f'model="{model}"'] if model else []),
+                 *(['precision="fp32"'] if path == "host" else [])]
     config = load_config(preset, overrides)
     protocol = Protocol(config, noise_for(config).noise_multiplier)
     device = select_device()
@@ -45,14 +63,21 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     base, state = get_adapters(net), protocol.initial_state(net)
     size = model_spec(config.model).image_size
     groups = -(-clients // batch)
-    data = [to_torch(make_synthetic_cifar(64, num_classes=config.classes, image_size=size, seed=p), size, train=True)
-            for p in range(batch)]
+    raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
+    data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
 
     def group(release: int) -> None:
         protocol.local_rounds(net, base, data, state, round_=1, release=release, partition_ids=list(range(batch)),
                               noises=[protocol.simulation_noise(release, p) for p in range(batch)])
 
-    group(0)  # warm-up: allocations, kernels
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
+    row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch, "threads": threads,
+           "path": path, "precision": config.precision, "local-steps": config.local_steps,
+           "batch-size": config.batch_size, "rank": config.rank, "machine": machine()}
+    try:
+        group(0)  # warm-up: allocations, kernels
+    except torch.OutOfMemoryError:
+        return {**row, "images-per-second": None, "peak-memory-gib": None, "out-of-memory": True}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -65,14 +90,10 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     trained = groups * batch
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # CPU: the process's peak RSS
-    return {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "model": config.model,
-            "image-size": size, "client-batch": batch, "threads": threads, "local-steps": config.local_steps,
-            "batch-size": config.batch_size, "rank": config.rank, "clients": trained, "seconds": seconds,
-            "seconds-per-client": seconds / trained,
+    return {**row, "clients": trained, "seconds": seconds, "seconds-per-client": seconds / trained,
             "images-per-second": trained * config.local_steps * config.batch_size / seconds,
             "peak-memory-gib": peak / 2 ** 30,
-            "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS",
-            "machine": machine()}
+            "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS"}
 
 
 def main() -> None:
@@ -82,7 +103,10 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,16,64", help="client-batch values M")
     parser.add_argument("--clients", type=int, default=64, help="clients measured per M (whole groups of M)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a Ray worker with 1 CPU has 1)")
+    parser.add_argument("--baseline", action="store_true", help="also the path before this work (M = 1, fp32, "
+                                                                   "per-image CPU transforms)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
+    parser.add_argument("--path", default="device", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     try:
         batches = [int(b) for b in args.batches.split(",")]
@@ -93,12 +117,12 @@ def main() -> None:
               "must be at least 1.", file=sys.stderr)
         sys.exit(2)
     if args.one:
-        print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads)))
+        print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads, args.path)))
         return
     rows = []
-    for batch in batches:
+    for path, batch in [*([("host", 1)] if args.baseline else []), *(("device", b) for b in batches)]:
         child = [sys.executable, "-m", "benchmarks.client_throughput", "--preset", args.preset, "--clients",
-                 str(args.clients), "--threads", str(args.threads), "--one", str(batch),
+                 str(args.clients), "--threads", str(args.threads), "--one", str(batch), "--path", path,
                  *(["--model", args.model] if args.model else [])]
         out = subprocess.run(child, capture_output=True, text=True)
         if out.returncode != 0:
@@ -107,13 +131,18 @@ def main() -> None:
         row = {**json.loads(out.stdout.strip().splitlines()[-1]), "command": command_line("benchmarks.client_throughput"),
                "commit": revision()}
         rows.append(row)
-        print(f"M = {batch:>3}: {row['images-per-second']:7.1f} images/s, {row['seconds-per-client']:.3f} s a client, "
-              f"peak {row['peak-memory-gib']:.2f} GiB", flush=True)
+        if row.get("out-of-memory"):
+            print(f"{path:>6} M = {batch:>3}: out of the device's memory", flush=True)
+            continue
+        print(f"{path:>6} M = {batch:>3}: {row['images-per-second']:7.1f} images/s, {row['seconds-per-client']:.3f} s "
+              f"a client, peak {row['peak-memory-gib']:.2f} GiB", flush=True)
+
     def key(r: dict) -> tuple:
-        return r["device"], r["model"], r["client-batch"], r["threads"]
+        return r["device"], r["model"], r["client-batch"], r["threads"], r.get("path", "host")
 
     kept = [r for r in (json.loads(STORE.read_text()) if STORE.is_file() else []) if key(r) not in set(map(key, rows))]
-    table = sorted(kept + rows, key=lambda r: (r["device"], r["model"], r["threads"], r["client-batch"]))
+    table = sorted(kept + rows, key=lambda r: (r["device"], r["model"], r["threads"], r.get("path", "host") != "host",
+                                               r["client-batch"]))
     RESULTS.mkdir(exist_ok=True)
     STORE.write_text(json.dumps(table, indent=1) + "\n")
     write_table(table)
@@ -123,17 +152,25 @@ def write_table(rows: list[dict]) -> None:
     lines = ["# Client training against client-batch", "",
              "One client's round through the product's path (load the global state, K local steps, clip, sketch, "
              "noise), M clients trained together in one forward and backward per local step; M = 1 is one at a time. "
-             "Images a second = clients x K x batch / seconds; speed-up against M = 1 of the same device, model and "
-             "threads. Peak memory: the device's allocated memory on a GPU, the process's peak RSS on a CPU.", "",
-             "| device | model (px) | threads | K, batch, rank | client-batch M | images / s | s a client | speed-up | "
-             "peak memory (GiB) | commit |", "|---|---|---:|---|---:|---:|---:|---:|---:|---|"]
+             "Path: " + "; ".join(f"{k}: {v}" for k, v in PATHS.items()) + " (rows before the path column: the "
+             "per-image CPU transforms, fp32). Images a second = clients x K x batch / seconds; speed-up against the "
+             "first row of the same device, model and threads (the path before, where measured). Peak memory: the "
+             "device's allocated memory on a GPU, the process's peak RSS on a CPU.", "",
+             "| device | model (px) | threads | K, batch, rank | path | precision | client-batch M | images / s | "
+             "s a client | speed-up | peak memory (GiB) | commit |", "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        base = next((b for b in rows if (b["device"], b["model"], b["threads"], b["client-batch"])
-                     == (r["device"], r["model"], r["threads"], 1)), None)
-        speed = f"{r['images-per-second'] / base['images-per-second']:.2f}x" if base else "-"
+        base = next(b for b in rows if (b["device"], b["model"], b["threads"]) == (r["device"], r["model"], r["threads"]))
+        path = r.get("path", "host")
+        if r.get("out-of-memory"):
+            lines.append(f"| {r['device']} | {r['model']} ({r['image-size']}) | {r['threads']} | {r['local-steps']}, "
+                         f"{r['batch-size']}, {r['rank']} | {path} | {r['precision']} | {r['client-batch']} | out of "
+                         f"memory | - | - | - | {r['commit']} |")
+            continue
+        speed = f"{r['images-per-second'] / base['images-per-second']:.2f}x" if base.get("images-per-second") else "-"
         lines.append(f"| {r['device']} | {r['model']} ({r['image-size']}) | {r['threads']} | {r['local-steps']}, "
-                     f"{r['batch-size']}, {r['rank']} | {r['client-batch']} | {r['images-per-second']:.1f} | "
-                     f"{r['seconds-per-client']:.3f} | {speed} | {r['peak-memory-gib']:.2f} | {r['commit']} |")
+                     f"{r['batch-size']}, {r['rank']} | {path} | {r.get('precision', 'fp32')} | {r['client-batch']} | "
+                     f"{r['images-per-second']:.1f} | {r['seconds-per-client']:.3f} | {speed} | "
+                     f"{r['peak-memory-gib']:.2f} | {r['commit']} |")
     machines = sorted({r["machine"] for r in rows})
     commands = sorted({r["command"] for r in rows})
     lines += ["", "Commands: " + "; ".join(f"`{c}`" for c in commands) + "  ", "Machines: " + "; ".join(machines), ""]

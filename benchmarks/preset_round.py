@@ -1,11 +1,11 @@
 """Times configs/cifar100_private.toml's rounds on this machine through its offline twin: CIFAR-100-schema
 synthetic data (32 px images resized to 224, as CIFAR-100's are) and ViT-B/16 with random weights, so it needs
-neither the hub nor the dataset; the ServerApp and ClientApp over the in-process grid (no Ray). It prints the
-clients trained so far every 100 clients, with the peak GPU memory. For GPUs: on a 2-core CPU a client takes
-about 40 s.
+neither the hub nor the dataset; the ServerApp and ClientApp over the in-process grid (no Ray: `fedlora run` times
+the Ray path). It prints the clients trained so far every 100 clients, with the peak GPU memory. For GPUs: on a
+2-core CPU a client takes about 40 s.
 
-    python -m benchmarks.preset_round            # one round of 500 clients
-    python -m benchmarks.preset_round --rounds 2
+    python -m benchmarks.preset_round                             # one round of 500 clients, the preset's settings
+    python -m benchmarks.preset_round --rounds 2 --set client-batch=1 precision=\\"fp32\\"   # the path before
 """
 
 from __future__ import annotations
@@ -19,37 +19,44 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine, run_inprocess
-from fedlora import federation
 from fedlora.config import load_config
+from fedlora.federation import Protocol
 
 PRESET = Path(__file__).resolve().parent.parent / "configs" / "cifar100_private.toml"
+OFFLINE_TWIN = ['dataset="synthetic"', 'model="vit-b16-random"', "train-examples=50000", "test-examples=2000"]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
     args = parser.parse_args()
     if args.rounds < 1:
         print(f"preset_round: error: --rounds must be at least 1, got {args.rounds}.", file=sys.stderr)
         sys.exit(2)
-    config = load_config(PRESET, ['dataset="synthetic"', 'model="vit-b16-random"', "train-examples=50000",
-                                  "test-examples=2000", f"num-rounds={args.rounds}", "eval-every=1"])
-    print(machine(), flush=True)
+    try:
+        config = load_config(PRESET, [*OFFLINE_TWIN, f"num-rounds={args.rounds}", "eval-every=1", *args.set])
+    except ValueError as error:
+        print(f"preset_round: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(machine(), f"client-batch {config.client_batch} (0: 16 on a GPU), precision {config.precision}", flush=True)
     started, trained = time.time(), [0]
-    local_train = federation.local_train
+    local_rounds = Protocol.local_rounds
 
-    def counted(*a, **kw):
-        loss = local_train(*a, **kw)
-        trained[0] += 1
-        if trained[0] % 100 == 0:
+    def counted(self, model, base, datasets, *a, **kw):
+        rounds = local_rounds(self, model, base, datasets, *a, **kw)
+        before, trained[0] = trained[0], trained[0] + len(datasets)
+        if trained[0] // 100 > before // 100:
             memory = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
             print(f"  {trained[0]} clients trained, {time.time() - started:.1f} s, peak GPU memory {memory:.2f} GiB",
                   flush=True)
-        return loss
+        return rounds
 
-    federation.local_train = counted  # the name Protocol.local_round calls
+    Protocol.local_rounds = counted
     with tempfile.TemporaryDirectory() as tmp:
-        run_inprocess(config, Path(tmp) / "run", echo=lambda line: print(line, flush=True))
+        rows = run_inprocess(config, Path(tmp) / "run", echo=lambda line: print(line, flush=True))
+    for row in rows:
+        print(f"round {row['round']}: {row['seconds']:.1f} s", flush=True)
     print(f"{args.rounds} round(s) of {config.clients_per_round} clients in {time.time() - started:.1f} s", flush=True)
 
 

@@ -26,7 +26,7 @@ from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
 from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed, secret_fingerprint
-from fedlora.training import select_device
+from fedlora.training import clients_at_once, select_device
 
 app = ClientApp()
 _fresh_process = True  # a SuperNode starts a process per message; Ray workers live across messages
@@ -53,12 +53,13 @@ def _partitioner(config: RunConfig, num_partitions: int):
                             alpha=config.dirichlet_alpha, seed=config.seed)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=1024)
 def _local_data(config: RunConfig, node: NodeSettings):
-    """The node's training data: its own images (data-dir), else its partition of the run's dataset."""
+    """The node's training data: its own images (data-dir), else its partition of the run's dataset, decoded once
+    onto this process's device and kept for the rounds that sample it again (up to 1024 partitions a process)."""
     data = (load_image_dir(node.data_dir, num_classes=config.classes) if node.data_dir
             else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
-    return to_torch(data, model_spec(config.model).image_size, train=True)
+    return to_torch(data, model_spec(config.model).image_size, train=True, device=select_device())
 
 
 @app.query()
@@ -132,7 +133,8 @@ def train(msg: Message, context: Context) -> Message:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
     records = {}
-    for group in client_groups([int(p) for p in round_config[PACKED]], protocol, config.client_batch):
+    size = clients_at_once(config.client_batch, select_device())
+    for group in client_groups([int(p) for p in round_config[PACKED]], protocol, size):
         datasets = [_local_data(config, NodeSettings(p, config.num_clients)) for p in group]
         for partition_id, one in zip(group, _client_rounds(msg, config, protocol, state, group, datasets,
                                                            startup_seconds)):

@@ -36,7 +36,7 @@ from fedlora.data import (
 )
 from fedlora.models import MODELS, adapted_layer_shapes
 from fedlora.tracking import TRACKERS
-from fedlora.training import LOCAL_OPTIMIZERS
+from fedlora.training import LOCAL_OPTIMIZERS, PRECISIONS
 
 DATASETS = ("synthetic", "cifar100", "fashion-mnist")
 DATASET_CLASSES = {"cifar100": 100, "fashion-mnist": 10}  # num-classes must say the same
@@ -177,9 +177,14 @@ class RunConfig:
                                      "client a message, as in a deployment; k: k nodes, each round's sampled clients "
                                      "spread over them, several per message: for cohorts in the hundreds, whose "
                                      "thousands of nodes Flower's engine would poll)", low=0)
-    client_batch: int = _opt(1, "clients a simulation node trains together, in one forward and backward per local step "
+    precision: str = _opt("auto", "the clients' and the server's forward and backward passes: bf16 autocast (the "
+                                  "backbone's products in bfloat16; adapters, heads, clipping, sketches and noise in "
+                                  "float32), fp32, or auto: bf16 on a GPU that supports it, fp32 elsewhere",
+                          choices=PRECISIONS)
+    client_batch: int = _opt(0, "clients a simulation node trains together, in one forward and backward per local step "
                                 "(several clients per message: simulation-nodes); each computes what it would "
-                                "alone, up to floating-point summation order", low=1)
+                                "alone, up to floating-point summation order. 0: 16 on a GPU (ViT-B/16 at 224 px: "
+                                "2.7x one at a time, 12 GiB), 1 on a CPU (no faster there)", low=0)
 
     @staticmethod
     def key(name: str) -> str:

@@ -8,7 +8,8 @@ like any image), a ``fine_label`` ClassLabel and a ``coarse_label``. Code downst
 tell one dataset from another, and tests and offline runs use the synthetic one.
 
 Clients get their data from flwr-datasets partitioners over an in-memory ``datasets.Dataset``
-(``make_partitioner``, then ``load_partition``), and feed a model through ``to_torch`` and ``collate``.
+(``make_partitioner``, then ``load_partition``), and feed a model through ``to_torch``: decoded once onto the
+device, transformed there a batch at a time.
 """
 
 from __future__ import annotations
@@ -580,16 +581,20 @@ def load_partition(partitioner: Partitioner, partition_id: int) -> datasets.Data
     return partitioner.load_partition(partition_id)
 
 
+def normalization(image_size: int, mean: Sequence[float] | None = None,
+                  std: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+    """(mean, std): CIFAR100_MEAN/STD at 32 px (models trained on CIFAR itself), VIT_MEAN/STD otherwise (pretrained
+    ViTs fed upsampled images), unless given."""
+    native = image_size == IMAGE_SIZE
+    return (list(mean if mean is not None else CIFAR100_MEAN if native else VIT_MEAN),
+            list(std if std is not None else CIFAR100_STD if native else VIT_STD))
+
+
 def image_transform(image_size: int, *, train: bool, mean: Sequence[float] | None = None,
                     std: Sequence[float] | None = None) -> v2.Compose:
-    """PIL image -> normalized float32 tensor (3, image_size, image_size).
-
-    mean and std default to CIFAR100_MEAN/STD at 32 px (models trained on CIFAR itself) and to
-    VIT_MEAN/STD otherwise (pretrained ViTs fed upsampled images). ``train`` adds random mirroring.
-    """
-    native = image_size == IMAGE_SIZE
-    mean = list(mean if mean is not None else CIFAR100_MEAN if native else VIT_MEAN)
-    std = list(std if std is not None else CIFAR100_STD if native else VIT_STD)
+    """One PIL image -> normalized float32 tensor (3, image_size, image_size), for DataLoader pipelines; ``to_torch``
+    applies the same steps to whole batches on the device. ``train`` adds random mirroring."""
+    mean, std = normalization(image_size, mean, std)
     # Resize returns images already at the target size untouched.
     steps: list[v2.Transform] = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
     if train:
@@ -598,22 +603,62 @@ def image_transform(image_size: int, *, train: bool, mean: Sequence[float] | Non
     return v2.Compose(steps)
 
 
+class DeviceImages:
+    """A dataset decoded once into one uint8 tensor on a device, transformed there a batch at a time.
+
+    ``images[indices]`` gives {"pixel_values": float32 (B, 3, S, S), "labels": int64 (B,)} on the device: the
+    stored images resized to S (antialiased bilinear, as ``image_transform``), in training each mirrored with
+    probability 1/2, then scaled to [0, 1] and normalized. The mirrors are drawn from torch's global generator, one
+    draw per image in batch order, as ``image_transform`` draws them, so a seed gives the same flips (and, on a CPU,
+    the same pixels) either way. Images of one size up to S are stored at it (CIFAR-100's 32 px cost 3 KiB each, not
+    the 147 KiB of 224 px); larger or mixed sizes are resized to S once, when decoded.
+    """
+
+    def __init__(self, dataset: datasets.Dataset, image_size: int, *, train: bool = False,
+                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
+                 label_column: str = LABEL_COLUMN, device: torch.device | str | None = None):
+        self.image_size, self.train = image_size, train
+        self.device = torch.device(device or "cpu")
+        decoded = []
+        for chunk in dataset.select_columns([IMAGE_COLUMN]).iter(batch_size=1024):  # a chunk of PIL images at a time
+            for image in map(v2.functional.to_image, chunk[IMAGE_COLUMN]):
+                larger = image.shape[-2] > image_size or image.shape[-1] > image_size
+                decoded.append(self._resized(image) if larger else image)
+        if len({tuple(image.shape) for image in decoded}) > 1:
+            decoded = [self._resized(image) for image in decoded]
+        self.images = (torch.stack(decoded) if decoded else torch.empty(0, 3, image_size, image_size,
+                                                                          dtype=torch.uint8)).to(self.device)
+        self.labels = torch.as_tensor(dataset[label_column], dtype=torch.int64).to(self.device)
+        mean, std = normalization(image_size, mean, std)
+        self.mean, self.std = mean, std
+
+    def _resized(self, images: torch.Tensor) -> torch.Tensor:
+        return v2.functional.resize(images, [self.image_size, self.image_size], antialias=True)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, key: int | slice | Sequence[int]) -> dict[str, torch.Tensor]:
+        if isinstance(key, int):
+            return {name: value[0] for name, value in self[[key]].items()}
+        rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)
+        rows = rows.to(self.device)
+        images = self._resized(self.images[rows])
+        if self.train:
+            mirrored = torch.cat([torch.rand(1) for _ in range(len(rows))]) < 0.5  # image_transform's draws
+            images = torch.where(mirrored.to(self.device)[:, None, None, None], images.flip(-1), images)
+        pixels = v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True),
+                                         mean=self.mean, std=self.std)
+        return {"pixel_values": pixels, "labels": self.labels[rows]}
+
+
 def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,
              mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-             label_column: str = LABEL_COLUMN) -> datasets.Dataset:
-    """``dataset`` yielding {"pixel_values": float32 (3, S, S), "labels": int64}, transformed on access."""
-    transform = image_transform(image_size, train=train, mean=mean, std=std)
-    # A partial of a module-level function, unlike a closure, pickles into DataLoader workers and Ray.
-    return dataset.with_transform(
-        functools.partial(_to_tensors, transform=transform, label_column=label_column))
-
-
-def _to_tensors(batch: dict[str, list], *, transform: v2.Compose,
-                label_column: str) -> dict[str, torch.Tensor]:
-    return {
-        "pixel_values": torch.stack([transform(image) for image in batch[IMAGE_COLUMN]]),
-        "labels": torch.as_tensor(batch[label_column], dtype=torch.int64),
-    }
+             label_column: str = LABEL_COLUMN, device: torch.device | str | None = None) -> DeviceImages:
+    """``dataset`` decoded once onto ``device`` (default: the CPU), yielding {"pixel_values": float32 (3, S, S),
+    "labels": int64} per index and batches of them per list of indices (``DeviceImages``)."""
+    return DeviceImages(dataset, image_size, train=train, mean=mean, std=std, label_column=label_column,
+                        device=device)
 
 
 def collate(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

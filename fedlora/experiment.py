@@ -133,7 +133,7 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model().to(select_device())
         self.base = get_adapters(self.model)
-        self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size)
+        self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size, device=select_device())
         self.started = time.time()
 
     @property
@@ -144,7 +144,7 @@ class RunRecorder:
     def evaluate(self, state: GlobalState) -> tuple[float, float]:
         """Accuracy and loss of the global model, reconstructed exactly as a client would."""
         self.protocol.load_global(self.model, state, self.base)
-        return evaluate(self.model, self.test)
+        return evaluate(self.model, self.test, precision=self.config.precision)
 
     def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
         due = self.can_reconstruct and (round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds)
@@ -232,7 +232,8 @@ def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) ->
     protocol.load_global(model, saved.state, get_adapters(model))
     save_adapters(model, Path(run_dir) / "adapter")
     echo(f"Wrote {Path(run_dir) / 'adapter'} (after round {saved.rounds_done}).")
-    return evaluate(model, to_torch(load_splits(config)[1], model_spec(config.model).image_size))
+    test = to_torch(load_splits(config)[1], model_spec(config.model).image_size, device=select_device())
+    return evaluate(model, test, precision=config.precision)
 
 
 def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:

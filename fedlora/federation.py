@@ -282,7 +282,7 @@ class Protocol:
         # runs with the same seed differ with the worker that happened to run the client
         augment = [derive_seed(self.config.seed, "augment", release, p) for p in partition_ids]
         train = dict(steps=self.config.local_steps, batch_size=self.config.batch_size, lr=self.config.lr,
-                     optimizer=self.config.local_optimizer)
+                     optimizer=self.config.local_optimizer, precision=self.config.precision)
         if len(datasets) == 1:
             torch.manual_seed(augment[0])
             losses = [local_train(model, datasets[0], generator=generators[0], **train)]

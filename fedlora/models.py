@@ -191,10 +191,13 @@ def _transformers_vit(spec: ModelSpec, num_classes: int) -> nn.Module:
 
     if spec.pretrained:
         try:
-            return ViTForImageClassification.from_pretrained(spec.source, num_labels=num_classes)
+            return ViTForImageClassification.from_pretrained(spec.source, num_labels=num_classes,
+                                                             attn_implementation="sdpa")
         except (OSError, ValueError) as error:  # hub errors surface as OSError subclasses
             raise _unavailable(spec, error) from None
-    return ViTForImageClassification(ViTConfig(num_labels=num_classes, **dict(spec.overrides)))
+    # PyTorch's fused attention (SDPA) in both families: timm's ViT uses it by default (fused_attn)
+    return ViTForImageClassification(ViTConfig(num_labels=num_classes, attn_implementation="sdpa",
+                                               **dict(spec.overrides)))
 
 
 def _timm_vit(spec: ModelSpec, num_classes: int) -> nn.Module:

@@ -18,15 +18,38 @@ def select_device() -> torch.device:
 
 
 LOCAL_OPTIMIZERS = ("sgd", "adam")
+PRECISIONS = ("auto", "bf16", "fp32")
+
+
+def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
+    """The dtype of the forward and backward's products: bfloat16 for "bf16", and for "auto" on a GPU that supports
+    it (on CPUs autocast's bf16 is slower than fp32 and changes every result); float32 otherwise."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"Unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}.")
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    return torch.bfloat16 if bf16 else torch.float32
+
+
+def clients_at_once(client_batch: int, device: torch.device) -> int:
+    """client-batch resolved on ``device``: 0 is 16 on a GPU, where one forward and backward of many clients keeps
+    it busy (benchmarks/results/client_throughput.md), and 1 on a CPU, where it is no faster."""
+    return client_batch or (16 if device.type == "cuda" else 1)
+
+
+def autocast(device: torch.device, dtype: torch.dtype):
+    """Autocast to ``dtype`` (off for float32): parameters, their gradients and the loss stay float32, so what is
+    clipped, sketched and noised afterwards is float32 as before."""
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
 
 def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: float, generator: torch.Generator,
-                optimizer: str = "sgd") -> float:
+                optimizer: str = "sgd", precision: str = "fp32") -> float:
     """``steps`` optimizer steps on mini-batches drawn (with replacement) from ``dataset``; returns the mean loss.
 
     ``optimizer`` is fresh each call (no state crosses rounds, so a client's reply depends on its data and the
     global model only): "sgd", or "adam", whose steps do not scale with the gradient, so that one lr serves a
-    head whose gradients are large (wide features) and adapters whose gradients are small.
+    head whose gradients are large (wide features) and adapters whose gradients are small. ``precision``: see
+    ``compute_dtype``.
     ``dataset`` yields {"pixel_values", "labels"} for a list of indices (``fedlora.data.to_torch``).
     """
     if len(dataset) == 0:
@@ -34,24 +57,28 @@ def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: f
     if optimizer not in LOCAL_OPTIMIZERS:
         raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
     device = next(model.parameters()).device
+    dtype = compute_dtype(precision, device)
     params = [p for p in model.parameters() if p.requires_grad]
     step = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
     model.train()
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(steps):
         indices = torch.randint(len(dataset), (batch_size,), generator=generator).tolist()
         batch = dataset[indices]
-        loss = F.cross_entropy(logits(model, batch["pixel_values"].to(device)), batch["labels"].to(device))
+        with autocast(device, dtype):
+            out = logits(model, batch["pixel_values"].to(device))
+        loss = F.cross_entropy(out.float(), batch["labels"].to(device))
         step.zero_grad(set_to_none=True)
         loss.backward()
         step.step()
-        total += loss.item()
-    return total / steps
+        total += loss.detach()  # no .item(): the device is not waited for every step
+    return total.item() / steps
 
 
 def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, batch_size: int, lr: float,
                         generators: Sequence[torch.Generator], augment_seeds: Sequence[int],
-                        optimizer: str = "sgd") -> tuple[list[dict[str, torch.Tensor]], list[float]]:
+                        optimizer: str = "sgd", precision: str = "fp32") -> tuple[list[dict[str, torch.Tensor]],
+                                                                                  list[float]]:
     """``local_train`` of M clients at once, all starting from the model's current trainable parameters: each step
     one forward and backward of the M clients' batches concatenated, through the frozen backbone shared and each
     client's own copy of every trainable linear (LoRA factors, head: StackedLinear). Returns each client's trained
@@ -71,6 +98,7 @@ def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, bat
     if optimizer not in LOCAL_OPTIMIZERS:
         raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
     device = next(model.parameters()).device
+    dtype = compute_dtype(precision, device)
     kept = torch.get_rng_state()
     streams = []
     for seed in augment_seeds:
@@ -80,7 +108,7 @@ def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, bat
         params = list(stacked.values())
         step = torch.optim.Adam(params, lr=lr) if optimizer == "adam" else torch.optim.SGD(params, lr=lr)
         model.train()
-        total = torch.zeros(clients, dtype=torch.float64)
+        total = torch.zeros(clients, dtype=torch.float64, device=device)
         for _ in range(steps):
             pixels, labels = [], []
             for m, dataset in enumerate(datasets):
@@ -90,15 +118,17 @@ def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, bat
                 streams[m] = torch.get_rng_state()
                 pixels.append(batch["pixel_values"])
                 labels.append(batch["labels"])
-            out = logits(model, torch.cat(pixels).to(device))
-            losses = F.cross_entropy(out, torch.cat(labels).to(device), reduction="none").view(clients, -1).mean(1)
+            with autocast(device, dtype):
+                out = logits(model, torch.cat(pixels).to(device))
+            losses = F.cross_entropy(out.float(), torch.cat(labels).to(device),
+                                     reduction="none").view(clients, -1).mean(1)
             step.zero_grad(set_to_none=True)
             losses.sum().backward()
             step.step()
-            total += losses.detach().double().cpu()
+            total += losses.detach().double()
         trained = [{name: p[m].detach().clone() for name, p in stacked.items()} for m in range(clients)]
     torch.set_rng_state(kept)
-    return trained, (total / steps).tolist()
+    return trained, (total / steps).cpu().tolist()
 
 
 class StackedLinear(nn.Module):
@@ -148,16 +178,18 @@ def stacked_linears(model: nn.Module, clients: int) -> Iterator[dict[str, torch.
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, dataset, *, batch_size: int = 256) -> tuple[float, float]:
+def evaluate(model: nn.Module, dataset, *, batch_size: int = 256, precision: str = "fp32") -> tuple[float, float]:
     """(accuracy, mean cross-entropy loss) on ``dataset``."""
     device = next(model.parameters()).device
+    dtype = compute_dtype(precision, device)
     model.eval()
-    correct, loss, count = 0, 0.0, 0
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    loss = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, len(dataset), batch_size):
         batch = dataset[list(range(start, min(start + batch_size, len(dataset))))]
         labels = batch["labels"].to(device)
-        out = logits(model, batch["pixel_values"].to(device))
-        loss += F.cross_entropy(out, labels, reduction="sum").item()
-        correct += (out.argmax(dim=1) == labels).sum().item()
-        count += len(labels)
-    return correct / count, loss / count
+        with autocast(device, dtype):
+            out = logits(model, batch["pixel_values"].to(device)).float()
+        loss += F.cross_entropy(out, labels, reduction="sum")
+        correct += (out.argmax(dim=1) == labels).sum()
+    return correct.item() / len(dataset), loss.item() / len(dataset)

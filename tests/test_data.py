@@ -232,6 +232,42 @@ def test_collate_batches_through_a_dataloader(splits):
     assert batch["labels"].tolist() == train[:4][LABEL_COLUMN]
 
 
+@pytest.mark.parametrize("image_size", [32, 224])
+def test_batches_on_the_device_equal_the_per_image_transform_with_the_same_flips(splits, image_size):
+    """DeviceImages transforms a batch at once what image_transform does to each image: the same resize, the same
+    mirrors for a seed (one draw of torch's global generator per image, in order) and the same normalization."""
+    train, _ = splits
+    rows = [5, 0, 7, 7, 2, 9, 1, 3]
+    reference = image_transform(image_size, train=True)
+    torch.manual_seed(11)
+    expected = torch.stack([reference(train[r][IMAGE_COLUMN]) for r in rows])
+    after_expected = torch.rand(1)
+    images = to_torch(train, image_size, train=True)
+    torch.manual_seed(11)
+    batch = images[rows]
+    assert torch.rand(1) == after_expected  # as many draws as the per-image transform
+    assert batch["pixel_values"].shape == (len(rows), 3, image_size, image_size)
+    assert torch.equal(batch["pixel_values"], expected)
+    assert batch["labels"].tolist() == [train[r][LABEL_COLUMN] for r in rows]
+    flipped = [bool(torch.equal(batch["pixel_values"][i], batch["pixel_values"][i].flip(-1))) for i in range(len(rows))]
+    plain = to_torch(train, image_size)[rows]["pixel_values"]
+    mirrored = [not torch.equal(batch["pixel_values"][i], plain[i]) for i in range(len(rows))]
+    assert any(mirrored) and not all(mirrored) and not any(flipped)  # some mirrored, not symmetric images
+
+
+def test_device_images_decode_once_at_the_native_size_unless_larger_or_mixed():
+    small = datasets.Dataset.from_dict({IMAGE_COLUMN: [np.zeros((28, 28, 3), np.uint8)] * 2, LABEL_COLUMN: [0, 1]},
+                              features=datasets.Features({IMAGE_COLUMN: datasets.Image(), LABEL_COLUMN: datasets.Value("int64")}))
+    assert to_torch(small, 224).images.shape == (2, 3, 28, 28)  # 2.3 KiB an image, resized batch by batch
+    mixed = datasets.Dataset.from_dict({IMAGE_COLUMN: [np.zeros((28, 28, 3), np.uint8), np.zeros((40, 30, 3), np.uint8)],
+                               LABEL_COLUMN: [0, 1]},
+                              features=datasets.Features({IMAGE_COLUMN: datasets.Image(), LABEL_COLUMN: datasets.Value("int64")}))
+    images = to_torch(mixed, 32)
+    assert images.images.shape == (2, 3, 32, 32) and images.images.dtype == torch.uint8
+    assert images[[0, 1]]["pixel_values"].shape == (2, 3, 32, 32)
+    assert images[1]["pixel_values"].shape == (3, 32, 32) and images[0:2]["labels"].tolist() == [0, 1]
+
+
 def test_image_transform_honours_mean_and_std():
     image = Image.fromarray(np.full((32, 32, 3), 255, dtype=np.uint8))
     identity = image_transform(32, train=False, mean=(0.0, 0.0, 0.0), std=(1.0, 1.0, 1.0))

@@ -7,7 +7,16 @@ from torch import nn
 from fedlora.algorithms import LoRAMode
 from fedlora.data import make_synthetic_cifar, to_torch
 from fedlora.lora import build_lora_model
-from fedlora.training import LOCAL_OPTIMIZERS, evaluate, local_train, local_train_clients, stacked_linears
+from fedlora.models import build_backbone
+from fedlora.training import (
+    LOCAL_OPTIMIZERS,
+    clients_at_once,
+    compute_dtype,
+    evaluate,
+    local_train,
+    local_train_clients,
+    stacked_linears,
+)
 
 
 class Batches:
@@ -101,3 +110,51 @@ def test_only_linear_layers_train_together():
         out = model(torch.randn(6, 3, 2, 2))  # three examples of each client
         assert out.shape == (6, 2)
     assert type(model[2]) is nn.Linear  # put back
+
+
+def test_precision_auto_is_bf16_on_gpus_only_and_client_batch_auto_batches_on_gpus_only():
+    cpu = torch.device("cpu")
+    assert compute_dtype("auto", cpu) == torch.float32 and compute_dtype("fp32", cpu) == torch.float32
+    assert compute_dtype("bf16", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="Unknown precision 'fp16'; choose one of: auto, bf16, fp32."):
+        compute_dtype("fp16", cpu)
+    assert clients_at_once(0, cpu) == 1 and clients_at_once(0, torch.device("cuda")) == 16
+    assert clients_at_once(4, cpu) == 4
+
+
+@pytest.mark.parametrize("together", [False, True])
+def test_bf16_autocast_trains_on_a_cpu_and_keeps_what_is_privatized_in_float32(together):
+    """The bf16 path (a GPU's default) runs on a CPU: the products in bfloat16, the adapters, head and loss in float32;
+    it trains the same clients to nearly, not exactly, the fp32 result."""
+    model = build_lora_model("vit-tiny", num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FFA, train_head=True)
+    data = [to_torch(make_synthetic_cifar(8, num_classes=10, seed=s), 32, train=True) for s in range(2)]
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    results = {}
+    for precision in ("fp32", "bf16"):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        train = {"steps": 1, "batch_size": 2, "lr": 0.01, "optimizer": "adam", "precision": precision}
+        if together:
+            trained, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m)
+                                                                           for m in range(2)],
+                                                  augment_seeds=[3, 4], **train)
+            params = trained[0]
+        else:
+            torch.manual_seed(3)
+            losses = [local_train(model, data[0], generator=torch.Generator().manual_seed(0), **train)]
+            params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        assert all(t.dtype == torch.float32 for t in params.values())
+        results[precision] = params, losses[0]
+    (fp32, loss32), (bf16, loss16) = results["fp32"], results["bf16"]
+    assert loss16 == pytest.approx(loss32, rel=0.05) and loss16 != loss32
+    change = {n: fp32[n] - start[n] for n in fp32}
+    gap = sum((bf16[n] - fp32[n]).norm() ** 2 for n in fp32) ** 0.5
+    assert 0 < gap < 0.25 * sum(c.norm() ** 2 for c in change.values()) ** 0.5
+
+
+def test_both_model_families_attend_with_pytorch_sdpa():
+    transformers_vit = build_backbone("vit-tiny", num_classes=3)
+    assert transformers_vit.config._attn_implementation == "sdpa"
+    timm_vit = build_backbone("timm-vit-tiny", num_classes=3)
+    assert all(block.attn.fused_attn for block in timm_vit.blocks)
