@@ -61,6 +61,25 @@ def test_same_seed_same_sketch_on_every_client_and_process():
     assert not torch.equal(first, MatrixSketch(5).sketch(x, key=key, name="other.lora_B"))  # layer
 
 
+def test_a_round_s_sketches_are_drawn_once_per_process_and_handed_out_as_copies(monkeypatch):
+    drawn = []
+    original = sketch_module.seeded_normal
+    monkeypatch.setattr(sketch_module, "seeded_normal", lambda *a, **kw: drawn.append(a) or original(*a, **kw))
+    monkeypatch.setattr(sketch_module, "_sketches", type(sketch_module._sketches)())
+    key = SketchKey(7, 1)
+    first = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
+    first.zero_()  # the caller's copy
+    again = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT, dtype=torch.float64)
+    assert len(drawn) == 1 and again.dtype == torch.float64
+    assert torch.equal(again.float(), original(4, 6, std=0.5, seed_parts=("sketch", 7, 1, "l.lora_B", Side.LEFT.value, 0)))
+    monkeypatch.setattr(sketch_module, "_SKETCH_CACHE_BYTES", 3 * 4 * 6 * 4)  # room for three
+    for round_ in range(2, 7):
+        gaussian_matrix(4, 6, std=0.5, key=SketchKey(7, round_), name="l.lora_B", side=Side.LEFT)
+    assert len(sketch_module._sketches) == 3  # the least recently used went first
+    gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
+    assert len(drawn) == 7
+
+
 def test_sketch_follows_the_tensor_dtype_and_device():
     x = torch.randn(20, 3, dtype=torch.float64)
     out = MatrixSketch(5).sketch(x, key=SketchKey(0, 0), name="l.lora_B")
