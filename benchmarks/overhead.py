@@ -24,7 +24,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.config import RunConfig, load_config, load_splits
+from fedlora.config import RunConfig, load_config, load_split
 from fedlora.data import load_partition, make_partitioner, to_torch
 from fedlora.federation import Protocol, derive_seed
 from fedlora.launch import run_simulation
@@ -44,7 +44,7 @@ WHY = ("Why the per-message path slows as cohorts grow (measured: see docs/how-t
 def bare_rounds(config: RunConfig, rounds: int) -> list[float]:
     """Seconds per round of plain PyTorch: N clients' K steps one after the other, same model, batches, seeds."""
     model = Protocol(config, 0.0).build_model()
-    train, _ = load_splits(config)
+    train = load_split(config, "train")
     partitioner = make_partitioner(config.partitioner, num_partitions=config.num_clients, dataset=train,
                                    seed=config.seed)
     size = model_spec(config.model).image_size

@@ -8,6 +8,7 @@ model and replies with one release per client.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from functools import lru_cache
@@ -19,9 +20,9 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedlora.config import RunConfig, load_splits, run_config_of
+from fedlora.config import RunConfig, load_split, run_config_of
 from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
-from fedlora.federation import PACKED, GlobalState, Protocol, num_bytes, packed_key
+from fedlora.federation import ASSIGNED, PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
 from fedlora.models import model_spec
@@ -48,7 +49,7 @@ def _model(config: RunConfig, rank: int):
 
 @lru_cache(maxsize=2)
 def _partitioner(config: RunConfig, num_partitions: int):
-    train, _ = load_splits(config)
+    train = load_split(config, "train")
     return make_partitioner(config.partitioner, num_partitions=num_partitions, dataset=train,
                             alpha=config.dirichlet_alpha, seed=config.seed)
 
@@ -79,6 +80,8 @@ def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, No
     round_config = msg.content["config"]
     protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
     node = NodeSettings.from_node_config(context.node_config)
+    if ASSIGNED in round_config:  # a simulation's node trains the partition the server names
+        node = dataclasses.replace(node, partition_id=int(round_config[ASSIGNED]))
     if config.threat_model == "known-sketch":
         protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
     elif config.sketch_secret == "node-file":  # shared by the clients out of band, never seen by the server

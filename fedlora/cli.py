@@ -379,6 +379,13 @@ REAL_DATA_NEXT = ("real images: `fedlora run --config fashion_mnist` (Fashion-MN
                   "dataset-fashion-mnist`; docs/tutorials/real-data.md)")
 
 
+def _command_start() -> float:
+    """When this command started: the fixed cost a run reports counts its imports too."""
+    import psutil
+
+    return psutil.Process().create_time()
+
+
 def _done(rows: list[dict], out_dir, config) -> None:
     from fedlora.checkpoint import BUDGET_SPENT, Checkpoint
 
@@ -413,7 +420,7 @@ def run(args: argparse.Namespace) -> None:
     address = _cluster_address(args)
     out_dir = _prepare(args, config, "run")
     _check_cluster(address, config)
-    _done(run_simulation(config, out_dir, ray_address=address), out_dir, config)
+    _done(run_simulation(config, out_dir, ray_address=address, began=_command_start()), out_dir, config)
 
 
 def resume(args: argparse.Namespace) -> None:
@@ -423,7 +430,7 @@ def resume(args: argparse.Namespace) -> None:
     address = _cluster_address(args)
     out_dir, config, _ = _resumable(args, "run")
     _check_cluster(address, config)
-    _done(run_simulation(config, out_dir, resume=True, ray_address=address), out_dir, config)
+    _done(run_simulation(config, out_dir, resume=True, ray_address=address, began=_command_start()), out_dir, config)
 
 
 def _cluster_address(args: argparse.Namespace) -> str | None:

@@ -32,7 +32,7 @@ from fedlora.data import (
     load_cifar100,
     load_fashion_mnist,
     load_user_dataset,
-    synthetic_splits,
+    make_synthetic_cifar,
 )
 from fedlora.models import MODELS, adapted_layer_shapes
 from fedlora.tracking import TRACKERS
@@ -506,11 +506,21 @@ def run_config_of(values: dict[str, Any]) -> RunConfig:
 def load_splits(config: RunConfig):
     """(train, test) in CIFAR-100's schema: the hub's CIFAR-100, Fashion-MNIST, the user's own, or the synthetic
     dataset."""
+    return load_split(config, "train"), load_split(config, "test")
+
+
+def load_split(config: RunConfig, split: str):
+    """One split ("train" or "test") in CIFAR-100's schema, without reading or generating the other where the source
+    allows (a client needs only the training data, the server only the test data)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"Unknown split {split!r}; expected train or test.")
     if is_user_dataset(config.dataset):
-        return load_user_dataset(config.dataset, image_column=config.image_column, label_column=config.label_column)
+        train, test = load_user_dataset(config.dataset, image_column=config.image_column,
+                                        label_column=config.label_column)
+        return train if split == "train" else test
     if config.dataset == "cifar100":
-        return load_cifar100("train"), load_cifar100("test")
+        return load_cifar100(split)
     if config.dataset == "fashion-mnist":
-        return load_fashion_mnist("train"), load_fashion_mnist("test")
-    return synthetic_splits(config.train_examples, config.test_examples, num_classes=config.classes,
-                            seed=config.seed)
+        return load_fashion_mnist(split)
+    return make_synthetic_cifar(config.train_examples if split == "train" else config.test_examples, split=split,
+                                num_classes=config.classes, seed=config.seed)

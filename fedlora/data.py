@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import math
 import os
 import pickle
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import datasets
 import numpy as np
+import PIL.Image
 import torch
 from flwr_datasets.partitioner import (
     DirichletPartitioner,
@@ -478,12 +480,19 @@ def make_synthetic_cifar(num_examples: int, *, num_classes: int = 100, image_siz
     fine = (datasets.ClassLabel(names=list(FINE_LABEL_NAMES)) if num_classes == len(FINE_LABEL_NAMES)
             else datasets.ClassLabel(num_classes=num_classes))
     features = datasets.Features({**CIFAR100_FEATURES, LABEL_COLUMN: fine})
-    # Arrays go in as they are: datasets encodes them to PNG, as the hub stores CIFAR-100.
+    # Encoded as BMP, lossless like the hub's PNG and 7x faster to write (datasets' PNG took 3.5 of 4.8 s for 20,000):
+    # every Ray worker of a run generates its training data
     return datasets.Dataset.from_dict(
-        {IMAGE_COLUMN: list(images), LABEL_COLUMN: labels,
+        {IMAGE_COLUMN: [{"bytes": _bmp(image), "path": None} for image in images], LABEL_COLUMN: labels,
          COARSE_LABEL_COLUMN: labels % len(COARSE_LABEL_NAMES)},
         features=features,
     )
+
+
+def _bmp(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    PIL.Image.fromarray(image).save(buffer, format="BMP")
+    return buffer.getvalue()
 
 
 def synthetic_splits(num_train: int, num_test: int, *, num_classes: int = 100, image_size: int = IMAGE_SIZE,

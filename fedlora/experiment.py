@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
-from fedlora.config import RunConfig, load_splits
+from fedlora.config import RunConfig, load_split
 from fedlora.data import to_torch
 from fedlora.federation import LORA, PROBE, GlobalState, Protocol
 from fedlora.lora import get_adapters, save_adapters
@@ -133,7 +133,7 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model().to(select_device())
         self.base = get_adapters(self.model)
-        self.test = to_torch(load_splits(config)[1], model_spec(config.model).image_size, device=select_device())
+        self.test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
         self.started = time.time()
 
     @property
@@ -168,7 +168,8 @@ class RunRecorder:
                "client_privatize_seconds": info.get("privatize_seconds", math.nan),
                "client_startup_seconds": info.get("startup_seconds", math.nan),
                "server_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
-               "seconds": time.time() - info.get("started", self.started)}
+               "seconds": time.time() - info.get("started", self.started), "time": time.time(),
+               "startup": info.get("startup")}  # seconds before this launch's first round, by part
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)
         with self.metrics_path.open("a") as f:
@@ -232,7 +233,7 @@ def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) ->
     protocol.load_global(model, saved.state, get_adapters(model))
     save_adapters(model, Path(run_dir) / "adapter")
     echo(f"Wrote {Path(run_dir) / 'adapter'} (after round {saved.rounds_done}).")
-    test = to_torch(load_splits(config)[1], model_spec(config.model).image_size, device=select_device())
+    test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
     return evaluate(model, test, precision=config.precision)
 
 

@@ -465,6 +465,7 @@ def flex_norm_scale(tau: float, head: bool) -> float:
 
 
 PACKED = "partitions"  # round config of a simulation message that carries several clients: their partition ids
+ASSIGNED = "partition"  # round config of a simulation message to one client: the partition its node trains
 
 
 def packed_key(record: str, partition: int) -> str:

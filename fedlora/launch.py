@@ -47,9 +47,10 @@ def _toml_value(value) -> str:
 
 
 def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: bool = False,
-              client_app: str = "fedlora.clients.app:app") -> Path:
-    """A minimal Flower app whose components are fedlora's (or the given ClientApp, for fault injection) and
-    whose run config is ``config``; with ``resume`` the ServerApp continues from the run directory's checkpoint."""
+              client_app: str = "fedlora.clients.app:app", server_app: str = "fedlora.strategies.server_app:app") -> Path:
+    """A minimal Flower app whose components are fedlora's (or the given ones: fault injection, Flower's own DP in
+    benchmarks/flower_peer.py) and whose run config is ``config``; with ``resume`` the ServerApp continues from the
+    run directory's checkpoint."""
     app_dir = out_dir / "flower-app"
     app_dir.mkdir(parents=True, exist_ok=True)
     values = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir.resolve()), RESUME_KEY: resume,
@@ -58,7 +59,7 @@ def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: boo
         "[build-system]", 'requires = ["setuptools>=69"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", 'name = "fedlora-run"', 'version = "0.1.0"', 'description = "A fedlora run"',
         'license = "Apache-2.0"', "", "[tool.flwr.app]", 'publisher = "fedlora"', "",
-        "[tool.flwr.app.components]", 'serverapp = "fedlora.strategies.server_app:app"', f'clientapp = "{client_app}"',
+        "[tool.flwr.app.components]", f'serverapp = "{server_app}"', f'clientapp = "{client_app}"',
         "", "[tool.flwr.app.config]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()], ""]))
     return app_dir
 
@@ -217,6 +218,32 @@ class RoundProgress:
             self.shown = ""
 
 
+def record_fixed_cost(out_dir: Path, rows: list[dict], began: float, ended: float | None = None) -> dict | None:
+    """What the launch spent outside its rounds, added to metrics.jsonl's last row as "fixed_seconds": from ``began``
+    (the command's start) to the start of the first round it ran, and from the last round's row to ``ended``
+    (default: now), with the ServerApp's parts of the first ("startup": its process, noise calibration, model and
+    test data, the nodes). None when the launch ran no round."""
+    first = next((row for row in rows if row.get("startup")), None)
+    if first is None:
+        return None
+    ended = time.time() if ended is None else ended
+    fixed = {"before first round": first["time"] - first["seconds"] - began,
+             "after last round": ended - rows[-1]["time"], **first["startup"]}
+    rows[-1]["fixed_seconds"] = fixed
+    path = Path(out_dir) / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    path.write_text("".join(line + "\n" for line in lines[:-1]) + json.dumps(rows[-1]) + "\n")
+    return fixed
+
+
+def describe_fixed_cost(fixed: dict, last_round: int) -> str:
+    """One line: the seconds before the first round (by part) and after the last."""
+    parts = ", ".join(f"{name} {seconds:.1f}" for name, seconds in fixed.items()
+                      if name not in ("before first round", "after last round"))
+    return (f"outside the rounds: {fixed['before first round']:.1f} s before the first (the ServerApp's {parts}), "
+            f"{fixed['after last round']:.1f} s after round {last_round}")
+
+
 def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list[dict]:
     """The rows of a run that ended (finished, or stopped by its budget); else a LaunchError saying why."""
     if saved is not None and saved.status in ENDED:
@@ -238,10 +265,13 @@ def _flower(out_dir: Path):
 
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0, resume: bool = False,
-                   client_app: str = "fedlora.clients.app:app", ray_address: str | None = None) -> list[dict]:
+                   client_app: str = "fedlora.clients.app:app", ray_address: str | None = None,
+                   began: float | None = None) -> list[dict]:
     """Runs (or, with ``resume``, continues) the federation on Ray: a Ray of its own on this machine, or with
     ``ray_address`` the cluster there (fedlora.cluster); returns the per-round metrics. A run that lost a Ray
-    worker (or a cluster node) is restarted from its checkpoint. Raises LaunchError if it does not end."""
+    worker (or a cluster node) is restarted from its checkpoint. Raises LaunchError if it does not end.
+    ``began``: when the wait for it began, for its fixed cost (default: now; `fedlora run`: its process's start)."""
+    began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
     out_dir.mkdir(parents=True, exist_ok=True)
     for restart in range(ENGINE_RESTARTS + 1):
@@ -263,7 +293,10 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
         if ray_address:  # a lost node stays listed for a while: Flower would start workers on it again
             echo(f"  on the Ray cluster's {wait_for_live_nodes(ray_address)} live nodes")
         resume = True
-    return _outcome(saved, config, out_dir)
+    rows = _outcome(saved, config, out_dir)
+    if fixed := record_fixed_cost(out_dir, rows, began):
+        echo(describe_fixed_cost(fixed, rows[-1]["round"]))
+    return rows
 
 
 def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, credentials: Credentials | None,

@@ -4,9 +4,11 @@ directory. With ``resume`` in the run config it continues from the run directory
 from __future__ import annotations
 
 import math
+import time
 from logging import INFO
 from pathlib import Path
 
+import psutil
 from flwr.app import Context, MetricRecord
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
@@ -22,6 +24,7 @@ app = ServerApp()
 
 def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrategy:
     """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds)."""
+    began = time.time()
     config = run_config_of(dict(context.run_config))
     simulated = bool(context.run_config.get(SIMULATION_KEY, False))  # by the simulation engine (`fedlora run`)
     if not (simulated or getattr(grid, "simulation", False)) and (problems := config.outside_simulation_problems()):
@@ -33,6 +36,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
         if saved.status in ENDED:
             raise RuntimeError(f"The run in {out_dir} has ended ({saved.status}): there is nothing to resume.")
     plan = noise_for(config)
+    calibrated = time.time()
     if saved and load_run_config(out_dir)[1:] != (plan.noise_multiplier, plan.probe_noise_multiplier):
         raise RuntimeError(f"The noise calibrated now differs from the one the run in {out_dir} used: it cannot be "
                            "resumed with this version.")
@@ -42,6 +46,9 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
                                sampling_of(config), plan.releases, save=lambda: recorder.save(strategy.checkpoint()),
                                simulated=simulated, progress=recorder.progress)
+    # what this launch did before its first round (the nodes' query is added by the strategy), in that round's row
+    strategy.startup = {"process": began - psutil.Process().create_time(), "noise calibration": calibrated - began,
+                        "model and test data": time.time() - calibrated}
     if saved:
         strategy.restore(saved)
         if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics

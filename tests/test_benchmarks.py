@@ -56,3 +56,25 @@ def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_pat
     table = (tmp_path / "compare_cpu.md").read_text()
     assert "| gm-ffa-lora | cpu | 0.600 |" in table and "| ffa-lora | cpu | 0.950 |" in table
     assert "the runs of gm-ffa-lora kept from earlier commands" in table
+
+
+def test_flower_s_z_for_an_epsilon_is_the_smallest_its_own_accountant_accepts():
+    """The Flower side of benchmarks/flower_peer.py: the z at which Flower's accountant (no amplification) prints the
+    epsilon fedlora's run holds, to 1e-3."""
+    from flwr.supercore.privacy_accounting import (GaussianPrivacyEvent, NeighboringRelation, PrivacyConfig,
+                                                   SamplingMethod)
+    from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
+
+    from benchmarks.flower_peer import flower_z_for
+
+    config = load_config("quickstart", ['strategy="gm-ffa-lora"'])
+
+    def printed(z):
+        accountant = RdpAccountant(PrivacyConfig(config.delta, config.num_clients,
+                                                 NeighboringRelation.ADD_OR_REMOVE_ONE,
+                                                 SamplingMethod.NO_AMPLIFICATION))
+        accountant.compose(GaussianPrivacyEvent(z, config.clients_per_round, config.num_clients), config.num_rounds)
+        return accountant.get_privacy_spent().epsilon
+
+    z = flower_z_for(8.0, config)
+    assert printed(z) <= 8.0 < printed(z - 2e-3)

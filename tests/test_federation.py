@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
-from fedlora.config import run_config_of
+from fedlora.config import SIMULATION_KEY, run_config_of
 from fedlora.experiment import noise_for, reconstruct
 from fedlora.federation import DENSE
 from fedlora.models import build_backbone
@@ -177,6 +177,32 @@ def test_sampling_follows_partitions_not_node_ids(tmp_path):
     calls_b, state_b = run(tmp_path / "b", [8, 2 ** 62, 1, 2 ** 64 - 1, 12345])
     assert calls_a == calls_b
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)
+
+
+def test_a_simulation_names_each_client_s_partition_instead_of_asking_the_nodes(tmp_path):
+    """Under the simulation engine the server sends partition p to the p-th node id, naming p in the message, without
+    querying the nodes first: the run is the one that asks each node which partition it holds."""
+    def run(out, simulated):
+        config = {**SMALL, "strategy": "gm-ffa-lora", "target-epsilon": 10.0, "out-dir": str(out),
+                  SIMULATION_KEY: simulated}
+        queries = []
+
+        def client(message, context):
+            if message.metadata.message_type == "query":
+                queries.append(context.node_id)
+            return client_app(message, context)
+
+        grid = InProcessGrid(client, 5, config, node_ids=[2 ** 63 + 5, 17, 2 ** 40, 99, 3])
+        strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                run_config=config), echo=lambda line: None)
+        return strategy, queries
+
+    (asked, queries), (named, none) = run(tmp_path / "asked", False), run(tmp_path / "named", True)
+    assert len(queries) == 5 and none == []
+    assert named.nodes == dict(enumerate(sorted(named.nodes.values())))
+    assert all(torch.equal(asked.state.message[n], named.state.message[n]) for n in asked.state.message)
+    row = json.loads((tmp_path / "named" / "metrics.jsonl").read_text().splitlines()[0])
+    assert set(row["startup"]) == {"process", "noise calibration", "model and test data", "nodes"}
 
 
 def _secret_run(tmp_path, secrets_by_partition):

@@ -42,7 +42,14 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     rows = run_simulation(config, Path("run"), echo=lines.append)
     tmp_path = tmp_path / "run"
     lines = [line for line in lines if not line.endswith("replies so far")]  # a round past 30 s says how it goes
-    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 2
+    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 3
+    # what the launch spent outside its rounds: said last, and kept in metrics.jsonl's last row
+    fixed = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fixed_seconds"]
+    assert fixed == rows[-1]["fixed_seconds"] and rows[0]["startup"] and rows[1]["startup"] is None
+    assert set(fixed) == {"before first round", "after last round", "process", "noise calibration",
+                          "model and test data", "nodes"}
+    assert 0 < fixed["after last round"] and sum(rows[0]["startup"].values()) < fixed["before first round"] < 120
+    assert lines[2].startswith(f"outside the rounds: {fixed['before first round']:.1f} s before the first")
     label = trust_label("known-sketch", config.noise_placement, "model", seeded=True)
     assert lines[0].startswith("round   1/2  accuracy") and f"({label})" in lines[0]
     assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == ("clip-quantile" not in levers)  # adaptive clip moves
