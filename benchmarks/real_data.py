@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     labels, test_labels = torch.tensor(train["fine_label"]), torch.tensor(test["fine_label"])
     record("logistic regression on the pixels", "-", _linear_fit(pixels, labels, test_pixels, test_labels), started)
 
-    subset = train_t.select(range(PROBE_EXAMPLES))
+    subset = to_torch(train.select(range(PROBE_EXAMPLES)), 32)
     for name in BACKBONES:
         started = time.time()
         x = _features(build_backbone(name, num_classes=10), subset)

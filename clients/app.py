@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
+from collections import OrderedDict
 from functools import lru_cache
 
 import psutil
@@ -21,7 +22,7 @@ from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedlora.config import RunConfig, load_split, run_config_of
-from fedlora.data import load_image_dir, load_partition, make_partitioner, to_torch
+from fedlora.data import DeviceImages, load_image_dir, load_partition, make_partitioner, to_torch
 from fedlora.federation import ASSIGNED, PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
@@ -54,13 +55,25 @@ def _partitioner(config: RunConfig, num_partitions: int):
                             alpha=config.dirichlet_alpha, seed=config.seed)
 
 
-@lru_cache(maxsize=1024)
-def _local_data(config: RunConfig, node: NodeSettings):
+DATA_KEPT_BYTES = 1 << 30  # decoded partitions a process keeps for the rounds that sample them again
+_decoded: OrderedDict[tuple, DeviceImages] = OrderedDict()  # least recently used first
+
+
+def _local_data(config: RunConfig, node: NodeSettings) -> DeviceImages:
     """The node's training data: its own images (data-dir), else its partition of the run's dataset, decoded once
-    onto this process's device and kept for the rounds that sample it again (up to 1024 partitions a process)."""
+    onto this process's device; the last DATA_KEPT_BYTES of them are kept (CIFAR-100's 32 px partitions take 3 KiB
+    an image; images stored at 224 px, 147 KiB)."""
+    key = (config, node)
+    if key in _decoded:
+        _decoded.move_to_end(key)
+        return _decoded[key]
     data = (load_image_dir(node.data_dir, num_classes=config.classes) if node.data_dir
             else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
-    return to_torch(data, model_spec(config.model).image_size, train=True, device=select_device())
+    _decoded[key] = images = to_torch(data, model_spec(config.model).image_size, train=True, device=select_device())
+    kept = sum(d.nbytes for d in _decoded.values())
+    while kept > DATA_KEPT_BYTES and len(_decoded) > 1:
+        kept -= _decoded.popitem(last=False)[1].nbytes
+    return images
 
 
 @app.query()
@@ -81,6 +94,9 @@ def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, No
     protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
     node = NodeSettings.from_node_config(context.node_config)
     if ASSIGNED in round_config:  # a simulation's node trains the partition the server names
+        if node.data_dir:
+            raise ValueError("A node with its own data (data-dir) trains only itself: the server named another "
+                             "partition, as it does only in simulations (simulation = true).")
         node = dataclasses.replace(node, partition_id=int(round_config[ASSIGNED]))
     if config.threat_model == "known-sketch":
         protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server

@@ -178,8 +178,9 @@ class RunConfig:
                                      "spread over them, several per message: for cohorts in the hundreds, whose "
                                      "thousands of nodes Flower's engine would poll)", low=0)
     precision: str = _opt("auto", "the clients' and the server's forward and backward passes: bf16 autocast (the "
-                                  "backbone's products in bfloat16; adapters, heads, clipping, sketches and noise in "
-                                  "float32), fp32, or auto: bf16 on a GPU that supports it, fp32 elsewhere",
+                                  "matrix products in bfloat16; the parameters, their gradients, the loss, clipping, "
+                                  "sketches and noise in float32), fp32, or auto: bf16 on a GPU that supports it, fp32 "
+                                  "elsewhere",
                           choices=PRECISIONS)
     client_batch: int = _opt(0, "clients a simulation node trains together, in one forward and backward per local step "
                                 "(several clients per message: simulation-nodes); each computes what it would "
@@ -503,12 +504,6 @@ def run_config_of(values: dict[str, Any]) -> RunConfig:
 
 
 @lru_cache(maxsize=2)
-def load_splits(config: RunConfig):
-    """(train, test) in CIFAR-100's schema: the hub's CIFAR-100, Fashion-MNIST, the user's own, or the synthetic
-    dataset."""
-    return load_split(config, "train"), load_split(config, "test")
-
-
 def load_split(config: RunConfig, split: str):
     """One split ("train" or "test") in CIFAR-100's schema, without reading or generating the other where the source
     allows (a client needs only the training data, the server only the test data)."""

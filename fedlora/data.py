@@ -495,14 +495,6 @@ def _bmp(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def synthetic_splits(num_train: int, num_test: int, *, num_classes: int = 100, image_size: int = IMAGE_SIZE,
-                     seed: int = 0) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """The train and test splits of make_synthetic_cifar for one seed: same classes, different examples."""
-    options = {"num_classes": num_classes, "image_size": image_size, "seed": seed}
-    return (make_synthetic_cifar(num_train, split="train", **options),
-            make_synthetic_cifar(num_test, split="test", **options))
-
-
 def _prototypes(num_classes: int, image_size: int, rng: np.random.Generator) -> np.ndarray:
     """float32 (num_classes, image_size, image_size, 3): a base colour plus a few 2-D waves per channel."""
     shape = (num_classes, _WAVES_PER_CHANNEL, 1, 1, 3)  # axes: class, wave, y, x, channel
@@ -647,14 +639,19 @@ class DeviceImages:
     def __len__(self) -> int:
         return len(self.labels)
 
+    @property
+    def nbytes(self) -> int:
+        return self.images.nbytes + self.labels.nbytes
+
     def __getitem__(self, key: int | slice | Sequence[int]) -> dict[str, torch.Tensor]:
-        if isinstance(key, int):
-            return {name: value[0] for name, value in self[[key]].items()}
+        if isinstance(key, (int, np.integer)):
+            return {name: value[0] for name, value in self[[int(key)]].items()}
         rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)
         rows = rows.to(self.device)
         images = self._resized(self.images[rows])
         if self.train:
-            mirrored = torch.cat([torch.rand(1) for _ in range(len(rows))]) < 0.5  # image_transform's draws
+            mirrored = torch.tensor([bool(torch.rand(1) < 0.5) for _ in range(len(rows))], dtype=torch.bool)  # as
+            # image_transform draws them
             images = torch.where(mirrored.to(self.device)[:, None, None, None], images.flip(-1), images)
         pixels = v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True),
                                          mean=self.mean, std=self.std)

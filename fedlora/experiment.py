@@ -243,6 +243,7 @@ def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:
     if not path.is_file():
         raise ValueError(f"'{run_dir}' holds no config.json: is it a fedlora run directory?")
     saved = json.loads(path.read_text())
+    saved.setdefault("precision", "fp32")  # a run from before the key trained in fp32 everywhere: it resumes so
     config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
     return config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"]
 

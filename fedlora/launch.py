@@ -223,7 +223,8 @@ def record_fixed_cost(out_dir: Path, rows: list[dict], began: float, ended: floa
     (the command's start) to the start of the first round it ran, and from the last round's row to ``ended``
     (default: now), with the ServerApp's parts of the first ("startup": its process, noise calibration, model and
     test data, the nodes). None when the launch ran no round."""
-    first = next((row for row in rows if row.get("startup")), None)
+    # the first round this launch ran (a resumed run's rows start with its earlier launches')
+    first = next((row for row in rows if row.get("startup") and row["time"] - row["seconds"] >= began), None)
     if first is None:
         return None
     ended = time.time() if ended is None else ended

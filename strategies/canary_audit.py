@@ -19,7 +19,7 @@ from fedlora.clients.app import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
-from fedlora.federation import GlobalState, Protocol, derive_seed
+from fedlora.federation import ASSIGNED, GlobalState, Protocol, derive_seed
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 
@@ -40,8 +40,10 @@ class CanaryGrid(InProcessGrid):
         if message.metadata.message_type == "train":
             if "arrays" in message.content.array_records:  # the training message (under SecAgg+, its third stage)
                 self.broadcasts[int(message.content["config"]["server-round"])] = global_state(message)
-            if context.node_config["partition-id"] in self.canaries:
-                return canary_train(message, context, self.canaries[context.node_config["partition-id"]])
+            config = message.content.config_records.get("config", {})
+            partition = int(config[ASSIGNED]) if ASSIGNED in config else context.node_config["partition-id"]
+            if partition in self.canaries:
+                return canary_train(message, context, self.canaries[partition])
         return client_app(message, context)
 
 

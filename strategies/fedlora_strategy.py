@@ -291,7 +291,7 @@ class FedLoRAStrategy(Strategy):
                                      "release": release, "partitions": partitions, "sampled": len(partitions),
                                      "assigned": assigned, "needed": min(self.config.required_replies(), len(partitions)),
                                      "bytes_down": num_bytes(self.state.broadcast),
-                                     **({"startup": startup} if startup else {})}
+                                     "startup": startup or self.rounds.get(server_round, {}).get("startup")}
         log(INFO, "configure_train: release %s, sampled %s of %s clients", release, len(partitions),
             self.sampling.num_clients)
         arrays = to_arrays(self.state.broadcast)

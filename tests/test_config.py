@@ -1,3 +1,4 @@
+import json
 import math
 
 import pytest
@@ -209,3 +210,14 @@ def test_several_lever_problems_give_one_line_each():
         RunConfig.from_mapping({"noise-placement": "everywhere", "clip-quantile": 2, "message": "update",
                                 "strategy": "gm-flexlora"})
     assert len(error.value.problems) == 2  # values first; cross-constraints once every value is in range
+
+
+def test_a_run_from_before_the_precision_key_resumes_in_fp32(tmp_path):
+    from fedlora.experiment import load_run_config
+
+    saved = {**RunConfig().to_mapping(), "noise-multiplier (used)": 1.0, "probe-noise-multiplier (used)": 0.0}
+    del saved["precision"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert load_run_config(tmp_path)[0].precision == "fp32"
+    (tmp_path / "config.json").write_text(json.dumps({**saved, "precision": "auto"}))
+    assert load_run_config(tmp_path)[0].precision == "auto"

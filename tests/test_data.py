@@ -29,7 +29,6 @@ from fedlora.data import (
     load_partition,
     make_partitioner,
     make_synthetic_cifar,
-    synthetic_splits,
     to_torch,
 )
 
@@ -51,7 +50,8 @@ def pixels(dataset: datasets.Dataset) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def splits() -> tuple[datasets.Dataset, datasets.Dataset]:
-    return synthetic_splits(1000, 500, num_classes=NUM_CLASSES, seed=0)
+    return (make_synthetic_cifar(1000, num_classes=NUM_CLASSES, split="train"),
+            make_synthetic_cifar(500, num_classes=NUM_CLASSES, split="test"))
 
 
 @pytest.fixture(scope="module")
@@ -266,6 +266,8 @@ def test_device_images_decode_once_at_the_native_size_unless_larger_or_mixed():
     assert images.images.shape == (2, 3, 32, 32) and images.images.dtype == torch.uint8
     assert images[[0, 1]]["pixel_values"].shape == (2, 3, 32, 32)
     assert images[1]["pixel_values"].shape == (3, 32, 32) and images[0:2]["labels"].tolist() == [0, 1]
+    assert images[np.int64(1)]["labels"] == 1 and images[[]]["pixel_values"].shape == (0, 3, 32, 32)
+    assert to_torch(mixed, 32, train=True)[[]]["labels"].shape == (0,)
 
 
 def test_image_transform_honours_mean_and_std():
@@ -499,7 +501,7 @@ def image_folder(root: Path, counts: dict[str, int], *, gray: str | None = None)
 def test_a_folder_with_one_subfolder_per_class_in_the_common_schema(tmp_path, fresh_user_datasets):
     """Classes follow the folders (sorted names), grayscale becomes RGB, and without a test split a stratified
     tenth of train is held out, the same for every run seed."""
-    from fedlora.config import load_config, load_splits
+    from fedlora.config import load_config, load_split
     from fedlora.data import HELD_OUT_FRACTION, dataset_classes, load_user_dataset
 
     root = image_folder(tmp_path / "pets", {"cat": 10, "dog": 10, "fox": 10}, gray="fox")
@@ -511,7 +513,7 @@ def test_a_folder_with_one_subfolder_per_class_in_the_common_schema(tmp_path, fr
     assert {image.mode for image in train[IMAGE_COLUMN]} == {"RGB"}
     assert to_torch(train, 32)[:2]["pixel_values"].shape == (2, 3, 32, 32)
     config = load_config(None, [f"dataset=folder:{root}", "seed=7"])
-    assert config.classes == 3 and load_splits(config)[1][LABEL_COLUMN] == test[LABEL_COLUMN]
+    assert config.classes == 3 and load_split(config, "test")[LABEL_COLUMN] == test[LABEL_COLUMN]
 
 
 def test_a_folder_with_train_and_test_subfolders_keeps_its_splits(tmp_path, fresh_user_datasets):

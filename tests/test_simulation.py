@@ -14,7 +14,7 @@ import torch
 from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
-from fedlora.launch import run_simulation
+from fedlora.launch import record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
 from tests.helpers import PAPER_FORM, leftover_flower_processes
@@ -195,3 +195,19 @@ def test_a_dying_ray_worker_does_not_stop_the_run(tmp_path):
     assert any("restarting the simulation engine" in line for line in lines)
     assert Checkpoint.load(out).status == FINISHED and (out / "adapter" / "adapter_config.json").exists()
     assert not leftover_flower_processes()
+
+
+def test_the_fixed_cost_is_this_launch_s(tmp_path):
+    """A resumed run's rows begin with its earlier launch's: the fixed cost counts from the first round this launch
+    ran, with its ServerApp's parts."""
+    startup = {"process": 5.0, "noise calibration": 1.0, "model and test data": 0.5, "nodes": 0.0}
+    rows = [{"round": 1, "seconds": 20.0, "time": 1020.0, "startup": startup},
+            {"round": 2, "seconds": 10.0, "time": 1030.0, "startup": None},
+            {"round": 3, "seconds": 25.0, "time": 2045.0, "startup": {**startup, "process": 6.0}},  # resumed at 2000
+            {"round": 4, "seconds": 10.0, "time": 2055.0, "startup": None}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    fixed = record_fixed_cost(tmp_path, rows, began=2000.0, ended=2060.0)
+    assert fixed == {"before first round": 20.0, "after last round": 5.0, **startup, "process": 6.0}
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fixed_seconds"] == fixed
+    assert record_fixed_cost(tmp_path, rows[:2], began=2000.0) is None  # a launch that ran no round
+
