@@ -185,11 +185,20 @@ def _check_run_dir(path: Path, config: RunConfig) -> None:
     from fedlora.experiment import load_run_config
 
     if (path / "config.json").is_file():
-        saved, planned = load_run_config(path)[0].to_mapping(), config.to_mapping()
+        saved, planned = _as_run(load_run_config(path)[0].to_mapping()), _as_run(config.to_mapping())
         reporting = {"tracker"}  # where the metrics go besides metrics.jsonl: not what the run measures
         if differ := sorted(k for k in {*saved, *planned} - reporting if saved.get(k) != planned.get(k)):
             keys = ", ".join(f"{k} = {saved.get(k)!r}, planned {planned.get(k)!r}" for k in differ[:3])
             raise ValueError(f"{path} holds another run ({keys}).")
+
+
+def _as_run(values: dict) -> dict:
+    """A config's values as they run on this machine: "client-batch = 0" is 1 on a CPU, "precision = auto" fp32."""
+    from fedlora.training import clients_at_once, compute_dtype, select_device
+
+    device = select_device()
+    return {**values, "client-batch": clients_at_once(values["client-batch"], device),
+            "precision": str(compute_dtype(values["precision"], device))}
 
 
 def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, dict]:

@@ -512,7 +512,8 @@ def deploy(args: argparse.Namespace) -> None:
     if args.resume:
         out_dir, config, credentials = _resumable(args, "deploy", check=deployment_credentials)
         print(f"  security: {_security(credentials)}")
-        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True), out_dir, config)
+        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True, began=_command_start()), out_dir,
+              config)
         return
     given = dict(parse_assignment(a) for a in args.set)
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
@@ -543,7 +544,7 @@ def deploy(args: argparse.Namespace) -> None:
     elif not args.insecure:
         credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
     print(f"  security: {_security(credentials)}")
-    _done(deploy_locally(config, out_dir, credentials=credentials), out_dir, config)
+    _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start()), out_dir, config)
 
 
 def _security(credentials) -> str:

@@ -330,13 +330,15 @@ def deployment_credentials(out_dir: Path, config: RunConfig) -> Credentials | No
 
 
 def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials | None, echo=print,
-                   start_timeout: float = 60.0, resume: bool = False) -> list[dict]:
+                   start_timeout: float = 60.0, resume: bool = False, began: float | None = None) -> list[dict]:
     """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run (with ``resume``: the rest of the run in
     ``out_dir``, from its checkpoint), then every process stopped.
 
     With ``credentials`` the SuperLink serves TLS with them and admits only the registered SuperNodes;
     without, everything runs in Flower's insecure mode. ``out_dir`` records which, for a resume.
+    ``began``: as for run_simulation (the SuperNodes' start counts before the first round).
     """
+    began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
@@ -365,4 +367,7 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
                 credentials=credentials, secret=secret), env=threads)
             flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
         saved = flower.follow(app_dir, config, echo, resume=resume)
-    return _outcome(saved, config, out_dir)
+    rows = _outcome(saved, config, out_dir)
+    if fixed := record_fixed_cost(out_dir, rows, began):
+        echo(describe_fixed_cost(fixed, rows[-1]["round"]))
+    return rows

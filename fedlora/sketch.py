@@ -88,6 +88,7 @@ def seeded_normal(rows: int, cols: int, *, std: float, seed_parts: tuple[int | s
 
 _SKETCH_CACHE_BYTES = 256 * 2 ** 20
 _sketches: OrderedDict[tuple, Tensor] = OrderedDict()  # least recently used first
+_sketches_bytes = 0  # their total, kept as they come and go: summing at every draw is quadratic in their number
 _sketches_lock = threading.Lock()
 
 
@@ -104,11 +105,15 @@ def gaussian_matrix(
         if matrix is not None:
             _sketches.move_to_end(cache_key)
     if matrix is None:
+        global _sketches_bytes
         matrix = seeded_normal(rows, cols, std=std, seed_parts=parts)
         with _sketches_lock:
+            if (previous := _sketches.pop(cache_key, None)) is not None:  # another thread drew it meanwhile
+                _sketches_bytes -= previous.nbytes
             _sketches[cache_key] = matrix
-            while sum(m.nbytes for m in _sketches.values()) > _SKETCH_CACHE_BYTES and len(_sketches) > 1:
-                _sketches.popitem(last=False)
+            _sketches_bytes += matrix.nbytes
+            while _sketches_bytes > _SKETCH_CACHE_BYTES and len(_sketches) > 1:
+                _sketches_bytes -= _sketches.popitem(last=False)[1].nbytes
     return matrix.to(device=device, dtype=dtype, copy=True)
 
 

@@ -10,7 +10,7 @@ from fedlora.config import load_config
 
 def _write_run(path, config):
     """The config.json `fedlora run --out PATH` writes."""
-    path.mkdir(parents=True)
+    path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**config.to_mapping(), "noise-multiplier (used)": 1.0,
                                                   "probe-noise-multiplier (used)": 0.0}))
 
@@ -23,6 +23,8 @@ def test_the_frontier_counts_a_fedlora_run_of_its_config_and_refuses_another(tmp
     assert path.name == "frontier_sgmm-ffa-lora_server_8.0_50_0"
     _write_run(path, load_config("fashion_mnist"))
     _check_run_dir(path, run["config"])  # the preset's own run: reused
+    _write_run(path, load_config("fashion_mnist", ["client-batch=1", "precision=\"fp32\""]))
+    _check_run_dir(path, run["config"])  # what "client-batch = 0" and "precision = auto" are on this CPU: reused
     (reference,) = plan(["frontier"], [8.0], [0], ["ffa-lora"], ["-"], None, "fashion_mnist")
     assert run_dir(tmp_path, reference["key"]).name == "frontier_ffa-lora_-_inf_50_0"
     other = run_dir(tmp_path, reference["key"])

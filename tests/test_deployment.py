@@ -64,6 +64,8 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     assert rows[-1]["threat_model"].startswith("known-sketch, noise at the server;") and rows[-1]["epsilon"] <= config.target_epsilon
     assert len({r["clip_norm"] for r in rows}) == 2  # the clip norm moved
     assert rows[-1]["client_startup_seconds"] > 0  # every message ran in a fresh process
+    fixed = rows[-1]["fixed_seconds"]  # the SuperLink's and SuperNodes' start counts before round 1
+    assert fixed["before first round"] > fixed["nodes"] >= 0 and lines[-1].startswith("outside the rounds: ")
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
     assert not leftover_flower_processes()
 

@@ -17,7 +17,7 @@ from fedlora.config import RunConfig
 from fedlora.launch import record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
-from tests.helpers import PAPER_FORM, leftover_flower_processes
+from tests.helpers import leftover_flower_processes
 
 TINY = ["noise-placement=client", "message=adapter", "num-clients=3", "clients-per-round=2", "local-steps=2",
         "train-examples=150", "test-examples=60"]
@@ -31,8 +31,35 @@ LEVERS = {"noise-placement": "server", "message": "update", "server-optimizer": 
 SECAGG = {"noise-placement": "secagg", "message": "update", "clients-per-round": 3, "min-replies": 3}  # N_min >= 3
 
 
-@pytest.mark.parametrize("levers", [PAPER_FORM, LEVERS, SECAGG],
-                         ids=["paper", "server-update-adaptive-one-node", "secagg"])
+def _assert_a_finished_ray_run(run: Path, lines: list[str], config: RunConfig) -> None:
+    """What a finished `fedlora run` leaves and says: its rounds, its fixed cost, its epsilon's label, its outputs,
+    and no Flower or Ray process."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    rounds = [line for line in lines if line.startswith("round ")]  # a round past 30 s says how it goes, indented
+    assert [r["round"] for r in rows] == list(range(1, config.num_rounds + 1)) and len(rounds) == config.num_rounds
+    # what the launch spent outside its rounds: said after the last round, and kept in metrics.jsonl's last row
+    fixed = rows[-1]["fixed_seconds"]
+    assert rows[0]["startup"] and all(r["startup"] is None for r in rows[1:])
+    assert set(fixed) == {"before first round", "after last round", "process", "noise calibration",
+                          "model and test data", "nodes"}
+    assert 0 < fixed["after last round"] and sum(rows[0]["startup"].values()) < fixed["before first round"] < 120
+    said = [i for i, line in enumerate(lines) if line.startswith("outside the rounds: ")]
+    assert len(said) == 1 and said[0] > lines.index(rounds[-1])
+    assert lines[said[0]].startswith(f"outside the rounds: {fixed['before first round']:.1f} s before the first")
+    label = trust_label("known-sketch", config.noise_placement, "model", seeded=True)
+    assert rounds[0].startswith(f"round   1/{config.num_rounds}  accuracy") and f"({label})" in rounds[0]
+    assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == (config.clip_quantile == 0)  # adaptive clip moves
+    assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == config.clients_per_round
+    assert (run / "adapter" / "adapter_config.json").exists() and (run / "accuracy.png").exists()
+    assert json.loads((run / "config.json").read_text())["strategy"] == config.strategy
+    progress = read_progress(run)  # replies counted as they came back from the Ray clients
+    assert progress["round"] == config.num_rounds and progress["arrived"] == progress["sent"] > 0
+    assert list(run.glob("events.out.tfevents.*"))  # TensorBoard's, by default
+    assert not leftover_flower_processes()
+
+
+# the paper's form (noise at each client, whole adapters) runs through `fedlora run` in the kill -9 test below
+@pytest.mark.parametrize("levers", [LEVERS, SECAGG], ids=["server-update-adaptive-one-node", "secagg"])
 def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch, levers):
     monkeypatch.chdir(tmp_path)  # a relative run directory, as `fedlora run` uses by default
     config = RunConfig.from_mapping({"strategy": "sgmm-ffa-lora", "num-clients": 3, "clients-per-round": 2,
@@ -40,26 +67,8 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
                                      "test-examples": 60, **levers})
     lines = []
     rows = run_simulation(config, Path("run"), echo=lines.append)
-    tmp_path = tmp_path / "run"
-    lines = [line for line in lines if not line.endswith("replies so far")]  # a round past 30 s says how it goes
-    assert [r["round"] for r in rows] == [1, 2] and len(lines) == 3
-    # what the launch spent outside its rounds: said last, and kept in metrics.jsonl's last row
-    fixed = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fixed_seconds"]
-    assert fixed == rows[-1]["fixed_seconds"] and rows[0]["startup"] and rows[1]["startup"] is None
-    assert set(fixed) == {"before first round", "after last round", "process", "noise calibration",
-                          "model and test data", "nodes"}
-    assert 0 < fixed["after last round"] and sum(rows[0]["startup"].values()) < fixed["before first round"] < 120
-    assert lines[2].startswith(f"outside the rounds: {fixed['before first round']:.1f} s before the first")
-    label = trust_label("known-sketch", config.noise_placement, "model", seeded=True)
-    assert lines[0].startswith("round   1/2  accuracy") and f"({label})" in lines[0]
-    assert (rows[0]["clip_norm"] == rows[1]["clip_norm"]) == ("clip-quantile" not in levers)  # adaptive clip moves
-    assert rows[-1]["epsilon"] <= config.target_epsilon and rows[-1]["replies"] == config.clients_per_round
-    assert (tmp_path / "adapter" / "adapter_config.json").exists() and (tmp_path / "accuracy.png").exists()
-    assert json.loads((tmp_path / "config.json").read_text())["strategy"] == "sgmm-ffa-lora"
-    progress = read_progress(tmp_path)  # replies counted as they came back from the Ray clients
-    assert progress["round"] == 2 and progress["arrived"] == progress["sent"] > 0
-    assert list(tmp_path.glob("events.out.tfevents.*"))  # TensorBoard's, by default
-    assert not leftover_flower_processes()
+    assert rows[-1]["fixed_seconds"] and len([line for line in lines if not line.endswith("so far")]) == 3
+    _assert_a_finished_ray_run(tmp_path / "run", lines, config)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -102,9 +111,13 @@ def _fedlora(*args: str, **popen) -> subprocess.Popen:
 
 
 def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
+    """The uninterrupted run is the paper's form through `fedlora run`, into a relative directory."""
     settings = [arg for s in [*TINY, "num-rounds=4"] for arg in ("--set", s)]
-    reference = _fedlora("run", *settings, "--out", str(tmp_path / "reference"))
-    assert reference.wait(timeout=400) == 0, reference.stdout.read()
+    reference = _fedlora("run", *settings, "--out", "reference", cwd=tmp_path)
+    output, _ = reference.communicate(timeout=400)
+    assert reference.returncode == 0, output
+    _assert_a_finished_ray_run(tmp_path / "reference", output.splitlines(),
+                               RunConfig.from_mapping(dict(s.split("=") for s in [*TINY, "num-rounds=4"])))
 
     out = tmp_path / "killed"
     victim = _fedlora("run", *settings, "--out", str(out), start_new_session=True)

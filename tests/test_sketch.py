@@ -66,6 +66,7 @@ def test_a_round_s_sketches_are_drawn_once_per_process_and_handed_out_as_copies(
     original = sketch_module.seeded_normal
     monkeypatch.setattr(sketch_module, "seeded_normal", lambda *a, **kw: drawn.append(a) or original(*a, **kw))
     monkeypatch.setattr(sketch_module, "_sketches", type(sketch_module._sketches)())
+    monkeypatch.setattr(sketch_module, "_sketches_bytes", 0)
     key = SketchKey(7, 1)
     first = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
     first.zero_()  # the caller's copy
@@ -76,6 +77,7 @@ def test_a_round_s_sketches_are_drawn_once_per_process_and_handed_out_as_copies(
     for round_ in range(2, 7):
         gaussian_matrix(4, 6, std=0.5, key=SketchKey(7, round_), name="l.lora_B", side=Side.LEFT)
     assert len(sketch_module._sketches) == 3  # the least recently used went first
+    assert sketch_module._sketches_bytes == sum(m.nbytes for m in sketch_module._sketches.values())
     gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
     assert len(drawn) == 7
 
