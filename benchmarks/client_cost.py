@@ -27,7 +27,7 @@ _CHILD = r"""
 import json, resource, sys, time
 import psutil
 started = psutil.Process().create_time()
-import fedlora.clients.app as client
+import fedlora.clients.rounds as client
 from fedlora.config import RunConfig
 from fedlora.federation import Protocol
 from fedlora.node import NodeSettings

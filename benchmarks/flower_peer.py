@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -28,7 +27,6 @@ import time
 from pathlib import Path
 
 import psutil
-import torch
 from flwr.app import ArrayRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -59,7 +57,7 @@ def trainer(config: RunConfig) -> Protocol:
 @peer_client.train()
 def peer_train(msg: Message, context: Context) -> Message:
     """fedlora's client training (the same seeds per round and partition), the trained adapters and head back."""
-    from fedlora.clients.app import _local_data, _model
+    from fedlora.clients.rounds import _local_data, _model
     from fedlora.node import NodeSettings
 
     config = run_config_of(context.run_config)

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     preset = load_config("fashion_mnist")
     train, test = load_fashion_mnist("train"), load_fashion_mnist("test")
-    train_t, test_t = to_torch(train, 32), to_torch(test, 32)
+    test_t = to_torch(test, 32)
     rows = []
 
     def record(method: str, backbone: str, accuracy: float, started: float) -> None:

@@ -1,85 +1,41 @@
 """The fedlora ClientApp: de-sketch the global adapters, train K local SGD steps, clip, privatize, reply.
 
-The backbone and the partition are built once per worker process and reused across rounds and
-partitions; per round only the adapters (and head) are loaded from the server's message. A simulation
-with simulation-nodes sends a node several clients in one message: it runs them in turn on the same
-model and replies with one release per client.
+A SuperNode starts a process for every message, so this module imports only Flower: a query or a stage of SecAgg+
+is answered without torch, PEFT or the data libraries, and the first message that trains imports the round's work
+(fedlora.clients.rounds). Ray workers live across messages and import it once. A simulation with
+simulation-nodes sends a node several clients in one message: it trains them (client-batch at a time) and replies
+with one release per client.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import sys
 import time
-from collections import OrderedDict
-from functools import lru_cache
 
 import psutil
-import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
-
-from fedlora.config import RunConfig, load_split, run_config_of
-from fedlora.data import DeviceImages, load_image_dir, load_partition, make_partitioner, to_torch
-from fedlora.federation import ASSIGNED, PACKED, GlobalState, Protocol, num_bytes, packed_key
-from fedlora.lora import get_adapters
-from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
-from fedlora.models import model_spec
-from fedlora.node import NodeSettings, read_sketch_seed, secret_fingerprint
-from fedlora.training import clients_at_once, select_device
 
 app = ClientApp()
 _fresh_process = True  # a SuperNode starts a process per message; Ray workers live across messages
 
 
 def _startup_seconds() -> float:
-    """Seconds from this process's start to now if it has handled no message before, else 0."""
+    """Seconds from this process's start to now if it has handled no message before, else 0 (called once the
+    round's work is imported: its imports are part of a fresh process's start)."""
     global _fresh_process
     fresh, _fresh_process = _fresh_process, False
     return time.time() - psutil.Process().create_time() if fresh else 0.0
-
-
-@lru_cache(maxsize=4)
-def _model(config: RunConfig, rank: int):
-    """The client model of one rank, built once per process (same seeded backbone on every client)."""
-    model = Protocol(config, 0.0).build_model(rank).to(select_device())
-    return model, get_adapters(model)
-
-
-@lru_cache(maxsize=2)
-def _partitioner(config: RunConfig, num_partitions: int):
-    train = load_split(config, "train")
-    return make_partitioner(config.partitioner, num_partitions=num_partitions, dataset=train,
-                            alpha=config.dirichlet_alpha, seed=config.seed)
-
-
-DATA_KEPT_BYTES = 1 << 30  # decoded partitions a process keeps for the rounds that sample them again
-_decoded: OrderedDict[tuple, DeviceImages] = OrderedDict()  # least recently used first
-
-
-def _local_data(config: RunConfig, node: NodeSettings) -> DeviceImages:
-    """The node's training data: its own images (data-dir), else its partition of the run's dataset, decoded once
-    onto this process's device; the last DATA_KEPT_BYTES of them are kept (CIFAR-100's 32 px partitions take 3 KiB
-    an image; images stored at 224 px, 147 KiB)."""
-    key = (config, node)
-    if key in _decoded:
-        _decoded.move_to_end(key)
-        return _decoded[key]
-    data = (load_image_dir(node.data_dir, num_classes=config.classes) if node.data_dir
-            else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
-    _decoded[key] = images = to_torch(data, model_spec(config.model).image_size, train=True, device=select_device())
-    kept = sum(d.nbytes for d in _decoded.values())
-    while kept > DATA_KEPT_BYTES and len(_decoded) > 1:
-        kept -= _decoded.popitem(last=False)[1].nbytes
-    return images
 
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
     """Which partition this node holds (the server samples partitions, so a seed fixes the run) and, when the
     nodes hold the sketch secret, its fingerprint."""
+    from fedlora.config import run_config_of
+    from fedlora.node import NodeSettings, secret_fingerprint
+
     node = NodeSettings.from_node_config(context.node_config)
     metrics = {"partition-id": node.partition_id}
     if run_config_of(context.run_config).sketch_secret == "node-file":  # the server checks all nodes share it
@@ -87,176 +43,17 @@ def identify(msg: Message, context: Context) -> Message:
     return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
 
 
-def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, NodeSettings]:
-    """The run config, the round's protocol (its noise and sketch seed) and this node's settings."""
-    config = run_config_of(context.run_config)
-    round_config = msg.content["config"]
-    protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
-    node = NodeSettings.from_node_config(context.node_config)
-    if ASSIGNED in round_config:  # a simulation's node trains the partition the server names
-        if node.data_dir:
-            raise ValueError("A node with its own data (data-dir) trains only itself: the server named another "
-                             "partition, as it does only in simulations (simulation = true).")
-        node = dataclasses.replace(node, partition_id=int(round_config[ASSIGNED]))
-    if config.threat_model == "known-sketch":
-        protocol.sketch_seed = int(round_config["sketch-seed"])  # public, broadcast by the server
-    elif config.sketch_secret == "node-file":  # shared by the clients out of band, never seen by the server
-        if not node.sketch_secret_file:
-            raise ValueError("This run's sketch secret comes from the nodes: start the SuperNode with "
-                             "--node-config \"... sketch-secret-file='PATH'\".")
-        protocol.sketch_seed = read_sketch_seed(node.sketch_secret_file)
-    return config, protocol, node
-
-
-def global_state(msg: Message) -> GlobalState:
-    """The global adapters the server sent, with the release whose sketches produced them."""
-    return GlobalState({n: t for n, t in msg.content["arrays"].to_torch_state_dict().items()},
-                       int(msg.content["config"]["produced-by"]))
-
-
-def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_id: int):
-    """Seeded noise in simulations that ask for it, else None: the OS's secure randomness."""
-    return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
-
-
-def client_records(release: dict, metrics: dict, clip_bit: float | None = None) -> dict:
-    """One client's release (and, under adaptive clipping, its clip bit as one float64) with its telemetry."""
-    records = {"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
-               "metrics": MetricRecord({"bytes-up": num_bytes(release), **metrics})}
-    if clip_bit is not None:
-        records["clip-bit"] = ArrayRecord({"bit": torch.tensor([clip_bit], dtype=torch.float64)})
-    return records
-
-
-def reply(msg: Message, release: dict, metrics: dict, clip_bit: float | None = None) -> Message:
-    return Message(RecordDict(client_records(release, metrics, clip_bit)), reply_to=msg)
-
-
-def round_clip_norm(msg: Message) -> float | None:
-    """The round's clip norm, which adaptive clipping moves (None: the config's)."""
-    config = msg.content["config"]
-    return float(config["clip-norm"]) if "clip-norm" in config else None
-
-
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     if RECORD_KEY_CONFIGS in msg.content.config_records:  # a stage of SecAgg+ (noise-placement = "secagg")
-        return secaggplus_mod(msg, context, secure_train)
-    startup_seconds = _startup_seconds()
-    config, protocol, node = round_setup(msg, context)
-    round_config, state = msg.content["config"], global_state(msg)
-    if PACKED not in round_config:  # this node's own client
-        return reply(msg, *_client_round(msg, config, protocol, state, node.partition_id,
-                                         _local_data(config, node), startup_seconds))
-    if node.data_dir:
-        raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
-                         "(simulation-nodes) are for simulations.")
-    records = {}
-    size = clients_at_once(config.client_batch, select_device())
-    for group in client_groups([int(p) for p in round_config[PACKED]], protocol, size):
-        datasets = [_local_data(config, NodeSettings(p, config.num_clients)) for p in group]
-        for partition_id, one in zip(group, _client_rounds(msg, config, protocol, state, group, datasets,
-                                                           startup_seconds)):
-            records.update({packed_key(key, partition_id): record for key, record in client_records(*one).items()})
-        startup_seconds = 0.0
-    return Message(RecordDict(records), reply_to=msg)
+        return secaggplus_mod(msg, context, _secure_train)
+    from fedlora.clients import rounds
+
+    return rounds.train_round(msg, context, _startup_seconds())
 
 
-def client_groups(partitions: list[int], protocol: Protocol, size: int) -> list[list[int]]:
-    """The clients of a message in groups that train together: of one rank each (a group shares one model),
-    at most ``size`` (client-batch) each, in the message's order within a rank."""
-    by_rank: dict[int, list[int]] = {}
-    for partition in partitions:
-        by_rank.setdefault(protocol.client_rank(partition), []).append(partition)
-    return [clients[i:i + size] for clients in by_rank.values() for i in range(0, len(clients), size)]
+def _secure_train(msg: Message, context: Context) -> Message:
+    """The stage of SecAgg+ that asks for this client's round (the other stages are the mod's alone)."""
+    from fedlora.clients import rounds
 
-
-def secure_train(msg: Message, context: Context) -> Message:
-    """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
-    share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
-    startup_seconds = _startup_seconds()
-    config, protocol, node = round_setup(msg, context)
-    release, metrics, _ = _client_round(msg, config, protocol, global_state(msg), node.partition_id,
-                                        _local_data(config, node), startup_seconds)
-    return encoded_reply(msg, protocol, node.partition_id, release, metrics)
-
-
-def encoded_reply(msg: Message, protocol: Protocol, partition_id: int, release: dict, metrics: dict) -> Message:
-    """A client's constrained ``release`` encoded with its noise share, as the reply secaggplus_mod masks."""
-    started = time.perf_counter()
-    round_config = msg.content["config"]
-    mechanism = protocol.mechanism_for(int(round_config["server-round"]), round_clip_norm(msg))
-    codec = protocol.secure_sum(mechanism, {n: tuple(t.shape) for n, t in release.items()})
-    encoded = codec.encode(protocol.secure_message(release),
-                           protocol.secure_noise(int(round_config["release"]), partition_id))
-    metrics["privatize-seconds"] = metrics.get("privatize-seconds", 0.0) + time.perf_counter() - started
-    return secure_reply(msg, encoded, metrics)
-
-
-def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
-    """A round's integers (by entry name, sent in name order) and telemetry, in the layout secaggplus_mod reads:
-    weight 1, so that the mod's weighting leaves the integers as they are."""
-    return Message(RecordDict({
-        "fitres.parameters": ArrayRecord([encoded[name] for name in sorted(encoded)]),
-        "fitres.num_examples": MetricRecord({"num_examples": 1}),
-        "fitres.metrics": ConfigRecord(metrics),
-        "fitres.status": ConfigRecord({"code": 0, "message": ""}),
-    }), reply_to=msg)
-
-
-def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,
-                  data, startup_seconds: float) -> tuple[dict, dict, float | None]:
-    """One client's round: its release, telemetry and clip bit."""
-    return _client_rounds(msg, config, protocol, state, [partition_id], [data], startup_seconds)[0]
-
-
-def _client_rounds(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState,
-                   partition_ids: list[int], datasets: list, startup_seconds: float) -> list[tuple[dict, dict, float | None]]:
-    """The rounds of clients of one rank, trained together: each one's release, telemetry and clip bit."""
-    model, base = _model(config, protocol.client_rank(partition_ids[0]))
-    round_config = msg.content["config"]
-    round_, release = int(round_config["server-round"]), int(round_config["release"])
-    results = protocol.local_rounds(model, base, datasets, state, round_=round_, release=release,
-                                    partition_ids=partition_ids, clip_norm=round_clip_norm(msg),
-                                    noises=[round_noise(config, protocol, release, p) for p in partition_ids])
-    out = []
-    for partition_id, result in zip(partition_ids, results):
-        metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
-                   "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **_ray_node()}
-        if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
-            metrics["train-loss"] = float(result.train_loss)
-        out.append((result.release, metrics, result.clip_bit))
-        startup_seconds = 0.0
-    return out
-
-
-def _ray_node() -> dict[str, int]:
-    """In a simulation, the Ray node that trained the client (its id's first 48 bits): a round's row counts the
-    machines its replies came from. Nothing outside Ray (a SuperNode)."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
-        return {}
-    return {"ray-node": int(ray.get_runtime_context().get_node_id()[:12], 16)}
-
-
-def canary_train(msg: Message, context: Context, direction: dict) -> Message:
-    """A canary client of the privacy audit (fedlora.audit): instead of training, it sends its fixed unit
-    ``direction`` (zero for a canary left out) scaled to the clip norm, through the round's mechanism like any
-    client (under secure aggregation, through SecAgg+ with its noise share)."""
-    if RECORD_KEY_CONFIGS in msg.content.config_records:
-        return secaggplus_mod(msg, context, lambda m, c: _canary_round(m, c, direction))
-    return _canary_round(msg, context, direction)
-
-
-def _canary_round(msg: Message, context: Context, direction: dict) -> Message:
-    config, protocol, node = round_setup(msg, context)
-    round_config = msg.content["config"]
-    round_, release = int(round_config["server-round"]), int(round_config["release"])
-    clip_norm = round_clip_norm(msg) or config.clip_norm
-    message = {name: t * clip_norm * (1 - CLIP_MARGIN) for name, t in direction.items()}
-    out, bit = protocol.privatize(message, round_=round_, release=release, clip_norm=clip_norm,
-                                  noise=round_noise(config, protocol, release, node.partition_id))
-    metrics = {"partition-id": node.partition_id}
-    if protocol.placement is NoisePlacement.SECAGG:
-        return encoded_reply(msg, protocol, node.partition_id, out, metrics)
-    return reply(msg, out, metrics, bit)
+    return rounds.secure_train(msg, context, _startup_seconds())

@@ -15,7 +15,7 @@ from flwr.app import Context, RecordDict
 from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
 from fedlora.clients.app import app as client_app
-from fedlora.clients.app import canary_train, global_state
+from fedlora.clients.rounds import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig

@@ -70,6 +70,16 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     assert not leftover_flower_processes()
 
 
+def test_the_clientapp_starts_without_torch():
+    """A SuperNode starts a process for every message: the ClientApp's module imports Flower alone, so a query or
+    a stage of SecAgg+ does not wait for torch, PEFT and the data libraries (the first message that trains
+    imports them)."""
+    code = ("import sys, fedlora.clients.app; print(sorted(m for m in ('torch', 'peft', 'transformers', 'timm', "
+            "'datasets', 'flwr_datasets', 'torchvision') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_a_tls_deployment_under_secure_aggregation(tmp_path):
     """SecAgg+ between real SuperNodes (each stage a message, Flower's mod in each ClientApp process): the round's
     sum is released, and no file on the server side holds a reply."""

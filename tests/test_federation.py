@@ -322,7 +322,7 @@ def test_clients_trained_together_release_what_each_releases_alone():
     rank trained in one pass release, each, what it releases trained alone (within 1e-4), and a message's clients
     are grouped by rank. A whole FlexLoRA run is not compared: the server's truncated SVD of a noisy sum may pick
     other directions on float-level differences, where singular values nearly tie."""
-    from fedlora.clients.app import client_groups
+    from fedlora.clients.rounds import client_groups
     from fedlora.config import RunConfig
     from fedlora.data import make_synthetic_cifar, to_torch
     from fedlora.federation import Protocol

@@ -7,7 +7,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from fedlora.clients.app import secure_reply
+from fedlora.clients.rounds import secure_reply
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.secure_aggregation import MASK_MODULUS, secure_sum
 
