@@ -6,11 +6,14 @@ once onto the device and transformed there (fedlora.data.DeviceImages) at the pr
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
     python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline   # GPU
+    python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --profile 16
 --baseline adds the path before this work in the same run: one client at a time in fp32, each image decoded and
 transformed on the CPU when its batch is drawn. Each row runs in a fresh process (its peak memory is its own): a
 warm-up group, then at least --clients clients in groups of M; images a second = clients x K x batch / seconds; a
 group that does not fit the device's memory is a row saying so. Results: benchmarks/results/client_throughput.{json,md},
-one row per (device, model, threads, path, client-batch), rows of other devices and models kept.
+one row per (device, model, threads, path, client-batch), rows of other devices and models kept. --profile M
+instead profiles one group of M clients under torch.profiler: time by operator and how busy the device was, in
+benchmarks/results/client_profile_<device>_m<M>.md.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ def host_images(dataset, image_size: int):
                                              "labels": torch.as_tensor(b[LABEL_COLUMN], dtype=torch.int64)})
 
 
-def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str) -> dict:
-    """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
+def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
+    """The preset's client on this machine's device, and a function that trains one group of ``batch`` clients
+    (release ``g``) through the product's path."""
     import torch
 
     from fedlora.config import load_config
@@ -62,7 +66,6 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     net = protocol.build_model(config.rank).to(device)
     base, state = get_adapters(net), protocol.initial_state(net)
     size = model_spec(config.model).image_size
-    groups = -(-clients // batch)
     raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
     data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
 
@@ -70,9 +73,18 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
         protocol.local_rounds(net, base, data, state, round_=1, release=release, partition_ids=list(range(batch)),
                               noises=[protocol.simulation_noise(release, p) for p in range(batch)])
 
+    return config, device, size, group
+
+
+def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str) -> dict:
+    """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
+    import torch
+
+    config, device, size, group = _setup(preset, model, batch, threads, path)
+    groups = -(-clients // batch)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch, "threads": threads,
-           "path": path, "precision": config.precision, "local-steps": config.local_steps,
+    row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch,
+           "threads": threads, "path": path, "precision": config.precision, "local-steps": config.local_steps,
            "batch-size": config.batch_size, "rank": config.rank, "machine": machine()}
     try:
         group(0)  # warm-up: allocations, kernels
@@ -96,6 +108,55 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
             "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS"}
 
 
+def profile(preset: str, model: str | None, batch: int, threads: int, top: int = 30) -> str:
+    """torch.profiler over one group of ``batch`` clients after a warm-up group: where the time goes, by operator
+    (self time on the device where there is one, on the CPU otherwise), and how busy the device was. Returns the
+    Markdown it writes to benchmarks/results/client_profile_<device>_m<M>.md."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    config, device, size, group = _setup(preset, model, batch, threads, "device")
+    group(0)
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        group(1)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = time.perf_counter() - started
+
+    def self_time(e) -> float:  # microseconds
+        if cuda:
+            return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    events = sorted(prof.key_averages(), key=self_time, reverse=True)
+    busy = sum(self_time(e) for e in events) / 1e6
+    where = "device (kernels)" if cuda else "CPU"
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    images = batch * config.local_steps * config.batch_size
+    lines = [f"# Where a group of M = {batch} clients spends its time: {config.model} ({size} px), "
+             f"{name}", "",
+             f"One group (K = {config.local_steps}, batch {config.batch_size}, rank {config.rank}, precision "
+             f"{config.precision}) through the product's path, after a warm-up group, under torch.profiler: "
+             f"{wall:.3f} s of wall clock ({images / wall:.0f} images/s with the profiler's overhead); the {where} "
+             f"busy {busy:.3f} s of it ({100 * busy / wall:.0f}%)" + (", the rest waiting for the host (launches, "
+             "Python, copies)." if cuda else "."), "",
+             f"| operator | calls | self {where} ms | share of busy |", "|---|---:|---:|---:|"]
+    for e in events[:top]:
+        lines.append(f"| `{e.key}` | {e.count} | {self_time(e) / 1e3:.1f} | {100 * self_time(e) / 1e6 / busy:.1f}% |")
+    lines += ["", f"Command: `{command_line('benchmarks.client_throughput')}`  ", f"Commit: {revision()}  ",
+              f"Machine: {machine()}", ""]
+    text = "\n".join(lines)
+    RESULTS.mkdir(exist_ok=True)
+    device_name = "cpu" if not cuda else name.replace(" ", "_").lower()
+    (RESULTS / f"client_profile_{device_name}_m{batch}.md").write_text(text)
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="quickstart", help="the config whose client is measured")
@@ -105,6 +166,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a Ray worker with 1 CPU has 1)")
     parser.add_argument("--baseline", action="store_true", help="also the path before this work (M = 1, fp32, "
                                                                    "per-image CPU transforms)")
+    parser.add_argument("--profile", type=int, metavar="M", help="instead: profile one group of M clients (where "
+                        "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>.md")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
     parser.add_argument("--path", default="device", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,6 +179,12 @@ def main() -> None:
         print("client_throughput: error: --batches takes positive integers (1,4,16,64); --clients and --threads "
               "must be at least 1.", file=sys.stderr)
         sys.exit(2)
+    if args.profile is not None:
+        if args.profile < 1:
+            print("client_throughput: error: --profile takes a client-batch M of at least 1.", file=sys.stderr)
+            sys.exit(2)
+        print(profile(args.preset, args.model, args.profile, args.threads))
+        return
     if args.one:
         print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads, args.path)))
         return

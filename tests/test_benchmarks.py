@@ -80,3 +80,16 @@ def test_flower_s_z_for_an_epsilon_is_the_smallest_its_own_accountant_accepts():
 
     z = flower_z_for(8.0, config)
     assert printed(z) <= 8.0 < printed(z - 2e-3)
+
+
+def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, monkeypatch):
+    """What a GPU session runs first when the throughput is short of its goal: here on the CPU, the same code."""
+    from benchmarks import client_throughput
+
+    monkeypatch.setattr(client_throughput, "RESULTS", tmp_path)
+    text = client_throughput.profile("quickstart", None, batch=2, threads=1, top=5)
+    assert (tmp_path / "client_profile_cpu_m2.md").read_text() == text
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    shares = [float(line.rsplit("|", 2)[1].strip().rstrip("%")) for line in rows]
+    assert len(rows) == 5 and shares == sorted(shares, reverse=True) and 20 < sum(shares) <= 100.5
+    assert any("mm" in line for line in rows[:2])  # the tiny ViT's matrix products lead on a CPU
