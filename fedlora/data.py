@@ -357,7 +357,6 @@ def dataset_classes(dataset: str, *, image_column: str = "", label_column: str =
                                                                                                 SYNTHETIC_CLASSES)
 
 
-
 def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> datasets.Dataset:
     """A device's own images, in CIFAR-100's schema: CIFAR-100's python format or an ImageFolder layout.
 

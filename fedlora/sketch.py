@@ -99,13 +99,13 @@ def gaussian_matrix(
     """The sketch of entry ``name`` in the round ``key``: the same on every client and device (a copy, the caller's
     to change). Drawing it costs most of a client's privatization (ViT-B/16: 26 of 33 ms), and every client of a
     round draws the same ones, as does the server: the last 256 MiB of them drawn are kept in the process."""
+    global _sketches_bytes
     parts = ("sketch", key.seed, key.round, name, side.value, block)
     with _sketches_lock:
         matrix = _sketches.get(cache_key := (rows, cols, std, parts))
         if matrix is not None:
             _sketches.move_to_end(cache_key)
     if matrix is None:
-        global _sketches_bytes
         matrix = seeded_normal(rows, cols, std=std, seed_parts=parts)
         with _sketches_lock:
             if (previous := _sketches.pop(cache_key, None)) is not None:  # another thread drew it meanwhile
