@@ -1,6 +1,12 @@
-"""Shared by the tests that start real Flower processes."""
+"""Shared by the tests: those that start real Flower processes, and those that also run on a GPU where there is one."""
 
 import subprocess
+
+import pytest
+import torch
+
+# The same test on the CPU always and on CUDA where there is a GPU (never in CI: a GPU session runs them).
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU"))]
 
 # The paper's round (each client noises its own adapter): the form most tests were written for. The quickstart's
 # defaults (noise at the server, updates) are tested where a test names them.
