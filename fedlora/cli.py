@@ -409,7 +409,6 @@ def _done(rows: list[dict], out_dir, config) -> None:
 def run(args: argparse.Namespace) -> None:
     """Validate, calibrate, then run (or continue) the simulated federation on a local SuperLink."""
     from fedlora.config import load_config
-    from fedlora.launch import run_simulation
 
     if args.resume:
         return resume(args)
@@ -420,6 +419,8 @@ def run(args: argparse.Namespace) -> None:
     address = _cluster_address(args)
     out_dir = _prepare(args, config, "run")
     _check_cluster(address, config)
+    from fedlora.launch import run_simulation  # Flower and Ray load after the checks, whose errors come at once
+
     _done(run_simulation(config, out_dir, ray_address=address, began=_command_start()), out_dir, config)
 
 

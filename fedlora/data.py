@@ -23,19 +23,19 @@ import pickle
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import datasets
 import numpy as np
 import PIL.Image
 import torch
-from flwr_datasets.partitioner import (
-    DirichletPartitioner,
-    IidPartitioner,
-    Partitioner,
-    PathologicalPartitioner,
-)
-from torchvision.transforms import v2
 
 from fedlora.hub import offline_requested, unreachable_reason
+
+if TYPE_CHECKING:  # imported where used: flwr-datasets (seaborn, scipy) and torchvision take 2.6 s to import, and
+    # the CLI, the launchers and the accountant import this module for its names only
+    from flwr_datasets.partitioner import Partitioner
+    from torchvision.transforms import v2
 
 CIFAR100_HUB_ID = "uoft-cs/cifar100"
 IMAGE_COLUMN = "img"
@@ -532,6 +532,8 @@ def make_partitioner(kind: str, *, num_partitions: int, dataset: datasets.Datase
     ``classes_per_partition`` labels; with fewer partitions than labels, rows of labels that no
     partition drew are left out). The same arguments always give the same partitions.
     """
+    from flwr_datasets.partitioner import DirichletPartitioner, IidPartitioner, PathologicalPartitioner
+
     if kind not in PARTITIONER_KINDS:
         raise ValueError(f"Unknown partitioner {kind!r}; expected one of {', '.join(PARTITIONER_KINDS)}.")
     if num_partitions < 1:
@@ -595,6 +597,8 @@ def image_transform(image_size: int, *, train: bool, mean: Sequence[float] | Non
                     std: Sequence[float] | None = None) -> v2.Compose:
     """One PIL image -> normalized float32 tensor (3, image_size, image_size), for DataLoader pipelines; ``to_torch``
     applies the same steps to whole batches on the device. ``train`` adds random mirroring."""
+    from torchvision.transforms import v2
+
     mean, std = normalization(image_size, mean, std)
     # Resize returns images already at the target size untouched.
     steps: list[v2.Transform] = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
@@ -618,6 +622,8 @@ class DeviceImages:
     def __init__(self, dataset: datasets.Dataset, image_size: int, *, train: bool = False,
                  mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
                  label_column: str = LABEL_COLUMN, device: torch.device | str | None = None):
+        from torchvision.transforms import v2
+
         self.image_size, self.train = image_size, train
         self.device = torch.device(device or "cpu")
         decoded = []
@@ -634,6 +640,8 @@ class DeviceImages:
         self.mean, self.std = mean, std
 
     def _resized(self, images: torch.Tensor) -> torch.Tensor:
+        from torchvision.transforms import v2
+
         return v2.functional.resize(images, [self.image_size, self.image_size], antialias=True)
 
     def __len__(self) -> int:
@@ -644,6 +652,8 @@ class DeviceImages:
         return self.images.nbytes + self.labels.nbytes
 
     def __getitem__(self, key: int | slice | Sequence[int]) -> dict[str, torch.Tensor]:
+        from torchvision.transforms import v2
+
         if isinstance(key, (int, np.integer)):
             return {name: value[0] for name, value in self[[int(key)]].items()}
         rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)

@@ -60,6 +60,17 @@ def test_console_script_exits_2_without_traceback():
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
+def test_a_config_error_comes_before_the_data_and_simulation_libraries_load():
+    """`fedlora run` with bad input: the line comes from the config's check, before torchvision, flwr-datasets
+    (seaborn, scipy), Flower's simulation and Ray are imported (5 s of imports here)."""
+    code = ("import sys\nfrom fedlora.cli import main\nassert main(['run', '--set', 'num-clients=-1']) == 2\n"
+            "print(sorted(m for m in ('torchvision', 'flwr_datasets', 'seaborn', 'ray', 'flwr.simulation') "
+            "if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "[]", result.stderr[-2000:]
+    assert result.stderr.strip() == "fedlora: error: num-clients must be >= 1, got -1."
+
+
 def test_a_reader_that_leaves_early_gets_no_traceback():
     """`fedlora describe | head -1`: here the reader (`true`) is gone before the first line is written."""
     result = subprocess.run(f"{sys.executable} -m fedlora.cli describe --model vit-tiny | true", shell=True,
