@@ -22,7 +22,6 @@ import os
 import pickle
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 import datasets
@@ -33,7 +32,7 @@ import torch
 from fedlora.hub import offline_requested, unreachable_reason
 
 if TYPE_CHECKING:  # imported where used: flwr-datasets (seaborn, scipy) and torchvision take 2.6 s to import, and
-    # the CLI, the launchers and the accountant import this module for its names only
+    # the CLI and the launchers import this module (through fedlora.config) for its names only
     from flwr_datasets.partitioner import Partitioner
     from torchvision.transforms import v2
 
