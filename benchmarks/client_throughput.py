@@ -45,8 +45,8 @@ def host_images(dataset, image_size: int):
 
 
 def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
-    """The preset's client on this machine's device, and a function that trains one group of ``batch`` clients
-    (release ``g``) through the product's path."""
+    """The preset's client on this machine's device: its config, device, image size, and a function that trains
+    one group of ``batch`` clients through the product's path (as release ``release``)."""
     import torch
 
     from fedlora.config import load_config
