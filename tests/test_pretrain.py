@@ -43,7 +43,7 @@ def _probe_accuracy(model_name: str, *, public: bool) -> float:
     model = build_backbone(model_name, num_classes=10, seed=0).eval()
     model.classifier = torch.nn.Identity()
     splits = []
-    for split, n in (("train", 2000), ("test", 500)):
+    for split, n in (("train", 1000), ("test", 500)):
         data = to_torch(make_synthetic_cifar(n, num_classes=classes, seed=0, split=split, public=public), 32)
         batch = data[list(range(n))]
         with torch.no_grad():
@@ -55,8 +55,8 @@ def _probe_accuracy(model_name: str, *, public: bool) -> float:
     return ((x_test @ weights).argmax(1) == y_test).double().mean().item()
 
 
-# Measured: public task 0.996 against 0.51 for a random init; the federation's task 1.0 against 0.924 (random
-# ViT features already separate its 10 classes fairly well; the pretrained ones separate them all).
+# Measured (1,000 training images): public task 0.996 against 0.448 for a random init; the federation's task 1.0
+# against 0.918 (random ViT features already separate its 10 classes fairly well; the pretrained ones separate them all).
 @pytest.mark.parametrize(("public", "margin"), [(True, 0.3), (False, 0.03)], ids=["public-task", "federation-task"])
 def test_pretrained_features_beat_a_random_init_on_a_linear_probe(public, margin):
     pretrained, random = _probe_accuracy("vit-tiny-public", public=public), _probe_accuracy("vit-tiny", public=public)
@@ -149,7 +149,7 @@ def test_the_fashion_mnist_backbone_transfers_to_the_private_task():
 
     if (reason := fashion_mnist_unavailable_reason()) is not None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
-    train = to_torch(load_fashion_mnist("train").select(range(2000)), 32)[list(range(2000))]
+    train = to_torch(load_fashion_mnist("train").select(range(1000)), 32)[list(range(1000))]
     test = to_torch(load_fashion_mnist("test").select(range(500)), 32)[list(range(500))]
 
     def probe(name):
@@ -163,5 +163,6 @@ def test_the_fashion_mnist_backbone_transfers_to_the_private_task():
                                      x.T @ torch.nn.functional.one_hot(train["labels"], 10).double())
         return ((x_test @ weights).argmax(1) == test["labels"]).double().mean().item()
 
+    # measured on these 1,000 + 500 images: 0.846 against 0.610 (synthetic-pretrained) and 0.680 (random)
     real, synthetic, random = probe("vit-tiny-fashion-public"), probe("vit-tiny-public"), probe("vit-tiny")
     assert real > max(synthetic, random) + 0.05, (real, synthetic, random)
