@@ -81,7 +81,8 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
     runs = []
     for part, strategy, placement, eps, n in cases:
         for seed in seeds:
-            values = {"strategy": strategy, "seed": seed}
+            # fp32 wherever a run computes ("auto" is bf16 on a GPU): a run on a lent GPU is the CPU's computation
+            values = {"strategy": strategy, "seed": seed, "precision": "fp32"}
             if placement != "-":
                 values["noise-placement"] = placement
             if eps != math.inf:

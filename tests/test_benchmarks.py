@@ -20,7 +20,7 @@ def test_the_frontier_counts_a_fedlora_run_of_its_config_and_refuses_another(tmp
     run of that key; a directory there holding another config is one error line before any run."""
     (run,) = plan(["frontier"], [8.0], [0], ["sgmm-ffa-lora"], ["server"], None, "fashion_mnist")
     path = run_dir(tmp_path, run["key"])
-    assert path.name == "frontier_sgmm-ffa-lora_server_8.0_50_0"
+    assert path.name == "frontier_sgmm-ffa-lora_server_8.0_50_0" and run["config"].precision == "fp32"  # any device
     _write_run(path, load_config("fashion_mnist"))
     _check_run_dir(path, run["config"])  # the preset's own run: reused
     _write_run(path, load_config("fashion_mnist", ["client-batch=1", "precision=\"fp32\""]))
