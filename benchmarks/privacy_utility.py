@@ -239,6 +239,14 @@ def _upload_to_reach(result: dict, accuracy: float) -> float | None:
     return None
 
 
+LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next
+
+
+def _late(result: dict) -> float:
+    """A run's mean test accuracy over its last LATE evaluations."""
+    return statistics.mean([a for a in result["accuracy"] if a is not None][-LATE:])
+
+
 def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
@@ -246,10 +254,10 @@ def _summary(values: list[float]) -> tuple[float, float]:
 def _machines(groups: dict[tuple, list[dict]]) -> str:
     """Each machine the table's runs recorded, with how many ran there (runs before 2026-11-24 recorded none)."""
     counts: dict[str, int] = {}
-    for results in groups.values():
-        for result in results:
-            where = result.get("machine", "not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)")
-            counts[where] = counts.get(where, 0) + 1
+    # a cohort group at the preset's N holds the frontier's runs themselves: each run counted once
+    for result in {id(r): r for results in groups.values() for r in results}.values():
+        where = result.get("machine", "not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)")
+        counts[where] = counts.get(where, 0) + 1
     return "; ".join(f"{where} ({n} runs)" for where, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
@@ -272,9 +280,11 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     rows = []
     for (part, strategy, placement, eps, n), results in groups.items():
         mean, spread = _summary([r["accuracy"][-1] for r in results])
+        late, late_spread = _summary([_late(r) for r in results])
         rows.append({"part": part, "strategy": strategy, "placement": placement,
                      "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "seeds": len(results),
                      "accuracy": round(mean, 4), "spread": round(spread, 4),
+                     "late_accuracy": round(late, 4), "late_spread": round(late_spread, 4),
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
                      "threat_model": results[0]["threat_model"],
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
@@ -291,6 +301,8 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         return "never" if value is None else f"{value / 1024:.0f} KiB"
 
     setting = f"the {preset} preset's" if preset else "the quickstart's"
+    first = next(iter(groups.values()))[0]["accuracy"]
+    late_rounds = [i + 1 for i, a in enumerate(first) if a is not None][-LATE:]
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
              f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in {name}.json; "
              "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
@@ -302,19 +314,23 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"clients send {'updates (FlexLoRA: the change of each product B A) applied by server SGD' if config.message == 'update' else 'their adapters'}. Final test "
              f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
-             "reaches it (first seed).", "",
+             f"reaches it (first seed). Last {LATE} evaluations: each run's mean accuracy at rounds "
+             f"{', '.join(map(str, late_rounds))}, the steadier reading where a private model moves from one "
+             "evaluation to the next (mean ± half the range over the seeds).", "",
              "## Accuracy against epsilon", "",
-             "| strategy | epsilon (threat model, noise placement) | accuracy | z | upload / client round | "
-             + " | ".join(f"to {a:g}" for a in reach) + " |",
-             "|---|---|---:|---:|---:|" + "---:|" * len(reach),
+             f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
+             "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
+             "|---|---|---:|---:|---:|---:|" + "---:|" * len(reach),
              *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}) | {r['accuracy']:.3f} ± {r['spread']:.3f} "
-               f"(n={r['seeds']}) | {r['noise_multiplier']:g} | {r['bytes_per_client_round'] / 1024:.1f} KiB | "
+               f"(n={r['seeds']}) | {r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} | "
+               f"{r['bytes_per_client_round'] / 1024:.1f} KiB | "
                + " | ".join(kib(r[f"upload_to_{a:g}"]) for a in reach) + " |"
                for r in rows if r["part"] == "frontier"],
              "", "## Accuracy against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
-             "| strategy | N | accuracy | z |", "|---|---:|---:|---:|",
+             f"| strategy | N | accuracy | last {LATE} evaluations | z |", "|---|---:|---:|---:|---:|",
              *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
-               f"{r['noise_multiplier']:g} |" for r in rows if r["part"] == "cohort"],
+               f"{r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
+               for r in rows if r["part"] == "cohort"],
              "", f"![accuracy against epsilon]({name}_epsilon.png)", f"![accuracy against N]({name}_cohort.png)", ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -33,6 +33,26 @@ def test_the_frontier_counts_a_fedlora_run_of_its_config_and_refuses_another(tmp
         _check_run_dir(other, reference["config"])
 
 
+def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_three(tmp_path, monkeypatch):
+    """A private run's model moves from one evaluation to the next: beside the final accuracy the table gives each
+    run's mean over its last three evaluations, both as mean ± half the range over the seeds."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+
+    for module in (frontier, benchmarks.common):  # the tables, and the plots (save_figure)
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    runs = plan(["frontier"], [8.0], [0, 1], ["gm-ffa-lora"], ["server"], None, "fashion_mnist")
+    evaluated = {0: [0.5, 0.6, 0.7, 0.7, 0.8, 0.6], 1: [0.5, 0.6, 0.7, 0.8, 0.8, 0.8]}  # rounds 5, 10, ..., 30
+    done = {run["key"]: {"accuracy": [evaluated[run["seed"]][r // 5 - 1] if r % 5 == 0 else None
+                                      for r in range(1, 31)],
+                         "noise_multiplier": 1.4, "threat_model": "known-sketch, noise at the server",
+                         "bytes_up": [1024] * 30} for run in runs}
+    frontier.write_results(runs, done, "fashion_mnist")
+    table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    assert "Last 3 evaluations: each run's mean accuracy at rounds 20, 25, 30" in table
+    assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
+
+
 def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_path, monkeypatch):
     """Re-running some strategies replaces their runs in compare_<preset>_runs.json and keeps the other
     strategies' rows, the header naming them and their commit."""
