@@ -12,7 +12,8 @@ Results: benchmarks/results/privacy_utility.{md,csv,json} and privacy_utility_{e
 NAME: privacy_utility_NAME.* and privacy_utility_NAME_{epsilon,cohort}.png). Runs are in
 process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol, strategy and accountant of
 `fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
-continues where it stopped, and the tables are written from whatever is there.
+continues where it stopped. The options choose the runs to run; the tables and plots always show every finished run
+in the json (`--table-only` rewrites them), so a frontier run piece by piece keeps one table.
 
 Every strategy runs the preset's form: clients send updates (FlexLoRA: the change of each product B A), applied by
 server SGD. The FlexLoRA runs of the adapter form measured before are kept under keys ending "|message=adapter",
@@ -58,11 +59,12 @@ def _family(strategy: str) -> str:
 
 
 def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: list[str] | None = None,
-         placements: list[str] | None = None, min_replies: int | None = None, preset: str | None = None) -> list[dict]:
-    """Every run with its config (checked before the first starts); ``strategies`` and ``placements`` (default
-    all) restrict it, the non-private references counting as placement "-"; ``min_replies``: secagg's N_min
-    instead of its default (such runs are stored under their own keys); ``preset``: the packaged config the runs
-    start from (default: the quickstart's)."""
+         placements: list[str] | None = None, min_replies: int | None = None, preset: str | None = None,
+         check: bool = True) -> list[dict]:
+    """Every run with its config (with ``check``, calibrated before the first starts); ``strategies`` and
+    ``placements`` (default all) restrict it, the non-private references counting as placement "-";
+    ``min_replies``: secagg's N_min instead of its default (such runs are stored under their own keys); ``preset``:
+    the packaged config the runs start from (default: the quickstart's)."""
     cases = []
     if "frontier" in parts:
         for strategy in PRIVATE:
@@ -100,22 +102,33 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
                          "n": config.clients_per_round, "config": config,
                          "key": f"{'frontier' if same else part}|{strategy}|{placement}|{eps}|"
                                 f"{config.clients_per_round}|{seed}{variant}"})
-    for run in runs:
+    for run in runs if check else ():
         noise_for(run["config"])  # an unreachable target fails here, before any run
     return runs
+
+
+def finished(done: dict, min_replies: int | None = None, preset: str | None = None) -> list[dict]:
+    """The runs the tables show: every run of the preset's plan (at any epsilon and seed) that ``done`` holds; with
+    ``min_replies``, the secagg runs at that N_min in place of those at the default."""
+    fields = [key.split("|") for key in done]
+    epsilons = sorted({float(f[3]) for f in fields} - {math.inf})
+    seeds = sorted({int(f[5]) for f in fields})
+    return [run for run in plan(["frontier", "cohort"], epsilons, seeds, min_replies=min_replies, preset=preset,
+                                check=False) if run["key"] in done]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="the packaged preset the runs start from (default: the quickstart's; "
                                          "fashion_mnist: the real-data preset)")
-    parser.add_argument("--parts", default="frontier,cohort")
-    parser.add_argument("--epsilons", default=",".join(f"{e:g}" for e in EPSILONS))
-    parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--parts", help="frontier, cohort or both (default: both)")
+    parser.add_argument("--epsilons", help=f"default: {','.join(f'{e:g}' for e in EPSILONS)}")
+    parser.add_argument("--seeds", help="default: 0,1")
     parser.add_argument("--strategies", help="only these (comma-separated; default: all)")
     parser.add_argument("--placements", help="only these noise placements (client, server, secagg; '-' for the "
                                              "non-private references; default: all)")
-    parser.add_argument("--table-only", action="store_true", help="write the tables and plots from the json")
+    parser.add_argument("--table-only", action="store_true",
+                        help="rewrite the tables and plots (every finished run in the json) and run nothing")
     parser.add_argument("--workers", type=int, default=1,
                         help="runs at a time, each in its own process with cores / workers torch threads (on 2 "
                              "cores, 2 workers finish about 1.3x more runs per hour than 1: tiny matrices scale "
@@ -127,6 +140,14 @@ def main() -> None:
                              "continues from its last round's checkpoint when the benchmark is started again")
     args = parser.parse_args()
     try:
+        chosen = [f"--{name.replace('_', '-')}" for name in ("parts", "epsilons", "seeds", "strategies", "placements",
+                                                             "workers", "run_dirs")
+                  if getattr(args, name) != parser.get_default(name)]
+        if args.table_only and chosen:
+            raise ValueError(f"--table-only runs nothing and tables every finished run in the json: leave out "
+                             f"{chosen[0]}.")
+        args.parts, args.seeds = args.parts or "frontier,cohort", args.seeds or "0,1"
+        args.epsilons = args.epsilons or ",".join(f"{e:g}" for e in EPSILONS)
         parts = args.parts.split(",")
         if unknown := [p for p in parts if p not in ("frontier", "cohort")]:
             raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
@@ -134,7 +155,8 @@ def main() -> None:
             raise ValueError(f"--min-replies is secagg's N_min: at least 2, got {args.min_replies}.")
         runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
                     args.strategies.split(",") if args.strategies else None,
-                    args.placements.split(",") if args.placements else None, args.min_replies, args.config)
+                    args.placements.split(",") if args.placements else None, args.min_replies, args.config,
+                    check=not args.table_only)
         if args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}.")
         if args.min_replies is not None and not any(r["placement"] == "secagg" for r in runs):
@@ -167,7 +189,7 @@ def main() -> None:
             store.write_text(json.dumps(done, indent=1) + "\n")
             print(f"== [{i + 1}/{len(todo)}] {key}: accuracy {result['accuracy'][-1]:.3f} "
                   f"({result['seconds']:.0f} s)", flush=True)
-    write_results(runs, done, args.config)
+    write_results(finished(done, args.min_replies, args.config), done, args.config)
 
 
 def _set_threads(threads: int) -> None:
@@ -304,8 +326,8 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     first = next(iter(groups.values()))[0]["accuracy"]
     late_rounds = [i + 1 for i, a in enumerate(first) if a is not None][-LATE:]
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
-             f"Command: `{command_line('benchmarks.privacy_utility')}` (every run so far is in {name}.json; "
-             "the n per row says how many seeds)  ", f"Commit: {revision()}  ",
+             f"Command: `{command_line('benchmarks.privacy_utility')}` (the tables: every finished run in "
+             f"{name}.json; the n per row says how many seeds)  ", f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
              f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "

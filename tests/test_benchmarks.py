@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from benchmarks.privacy_utility import _check_run_dir, plan, run_dir
+from benchmarks.privacy_utility import _check_run_dir, finished, plan, run_dir
 from fedlora.config import load_config
 
 
@@ -51,6 +51,27 @@ def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_t
     table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
     assert "Last 3 evaluations: each run's mean accuracy at rounds 20, 25, 30" in table
     assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
+
+
+def test_the_tables_show_every_finished_run_whichever_runs_an_invocation_chose(monkeypatch, capsys):
+    """A frontier run piece by piece (a seed, a part, a placement at a time) keeps one table: every run of the
+    preset's plan in the json, at any epsilon and seed; at another secagg N_min, its secagg runs in place of the others."""
+    pieces = [plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["server"], None, "fashion_mnist", check=False),
+              plan(["frontier"], [2.0], [1], ["sgmm-ffa-lora"], ["secagg"], None, "fashion_mnist", check=False),
+              plan(["cohort"], [8.0], [0], ["sgmm-ffa-lora"], ["server"], None, "fashion_mnist", check=False)]
+    variant = plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["secagg"], 30, "fashion_mnist", check=False)
+    done = {run["key"]: {} for piece in [*pieces, variant] for run in piece}
+    assert {r["key"] for r in finished(done, preset="fashion_mnist")} == {r["key"] for p in pieces for r in p}
+    at_30 = {r["key"] for p in pieces for r in p if r["placement"] != "secagg"} | {r["key"] for r in variant}
+    assert {r["key"] for r in finished(done, 30, "fashion_mnist")} == at_30  # secagg at N_min 30 in place of 45
+    import benchmarks.privacy_utility as frontier
+
+    monkeypatch.setattr("sys.argv", ["privacy_utility", "--table-only", "--seeds", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        frontier.main()
+    assert exit_.value.code == 2 and capsys.readouterr().err == (
+        "privacy_utility: error: --table-only runs nothing and tables every finished run in the json: leave out "
+        "--seeds.\n")
 
 
 def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_path, monkeypatch):
