@@ -5,6 +5,7 @@ the upload per client it takes to reach an accuracy.
     python -m benchmarks.privacy_utility                          # everything, seeds 0 and 1 (hours here)
     python -m benchmarks.privacy_utility --config fashion_mnist   # the same on real data (a day on 2 cores)
     python -m benchmarks.privacy_utility --parts frontier --epsilons 8 --seeds 0
+    python -m benchmarks.privacy_utility --config fashion_mnist --parts rounds --epsilons 2,8 --seeds 0
     python -m benchmarks.privacy_utility --workers 2     # two runs at a time, one torch thread each
     python -m benchmarks.privacy_utility --strategies gm-ffa-lora --placements server,secagg --epsilons 8 \
         --seeds 0,1,2,3,4,5                               # more seeds of one comparison
@@ -14,6 +15,9 @@ process (fedlora's ServerApp and ClientApp over an in-process Grid: the protocol
 `fedlora run`, without Ray); each finished run is saved in the json at once, so an interrupted benchmark
 continues where it stopped. The options choose the runs to run; the tables and plots always show every finished run
 in the json (`--table-only` rewrites them), so a frontier run piece by piece keeps one table.
+
+The rounds part (not run by default) spreads the same budget over T = 10 rounds instead of the preset's: each round
+then gets less noise (a smaller z), evaluated every T / 6 rounds as the preset's T = 30 is every 5.
 
 Every strategy runs the preset's form: clients send updates (FlexLoRA: the change of each product B A), applied by
 server SGD. The FlexLoRA runs of the adapter form measured before are kept under keys ending "|message=adapter",
@@ -46,7 +50,8 @@ REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
 PLACEMENTS = ("client", "server", "secagg")
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 COHORTS = (5, 10, 25, 50, 100)  # N at the preset's C
-COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")
+COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")  # also those of accuracy against T
+ROUNDS = (10, 30)  # T, the rounds one budget is spread over (30: the fashion_mnist preset's)
 
 
 def stem(preset: str | None) -> str:
@@ -65,15 +70,18 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
     ``placements`` (default all) restrict it, the non-private references counting as placement "-";
     ``min_replies``: secagg's N_min instead of its default (such runs are stored under their own keys); ``preset``:
     the packaged config the runs start from (default: the quickstart's)."""
-    cases = []
+    cases = []  # (part, strategy, placement, epsilon, N, T); None: the preset's
     if "frontier" in parts:
         for strategy in PRIVATE:
-            cases += [("frontier", strategy, placement, eps, None) for eps in epsilons for placement in PLACEMENTS]
-        cases += [("frontier", reference, "-", math.inf, None) for reference in REFERENCE.values()]
+            cases += [("frontier", strategy, placement, eps, None, None) for eps in epsilons
+                      for placement in PLACEMENTS]
+        cases += [("frontier", reference, "-", math.inf, None, None) for reference in REFERENCE.values()]
     if "cohort" in parts:
         for n in COHORTS:
-            cases += [("cohort", s, "server", 8.0, n) for s in COHORT_STRATEGIES]
-            cases.append(("cohort", REFERENCE["ffa"], "-", math.inf, n))
+            cases += [("cohort", s, "server", 8.0, n, None) for s in COHORT_STRATEGIES]
+            cases.append(("cohort", REFERENCE["ffa"], "-", math.inf, n, None))
+    if "rounds" in parts:
+        cases += [("rounds", s, "server", eps, None, t) for t in ROUNDS for s in COHORT_STRATEGIES for eps in epsilons]
     for name, chosen, known in (("strategy", strategies, (*PRIVATE, *REFERENCE.values())),
                                 ("placement", placements, (*PLACEMENTS, "-"))):
         if unknown := [c for c in chosen or () if c not in known]:
@@ -81,7 +89,8 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
     cases = [c for c in cases if (strategies is None or c[1] in strategies)
              and (placements is None or c[2] in placements)]
     runs = []
-    for part, strategy, placement, eps, n in cases:
+    preset_config = load_config(preset)
+    for part, strategy, placement, eps, n, rounds in cases:
         for seed in seeds:
             # fp32 wherever a run computes ("auto" is bf16 on a GPU): a run on a lent GPU is the CPU's computation
             values = {"strategy": strategy, "seed": seed, "precision": "fp32"}
@@ -91,15 +100,20 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
                 values["target-epsilon"] = eps
             if n is not None:
                 values["clients-per-round"] = n
+            if rounds is not None and rounds != preset_config.num_rounds:
+                values["num-rounds"] = rounds
+                values["eval-every"] = max(1, round(rounds * preset_config.eval_every / preset_config.num_rounds))
             variant = ""
             if min_replies is not None and placement == "secagg":
                 values["min-replies"], variant = min_replies, f"|min-replies={min_replies}"
             config = load_config(preset, [f"{k}={json.dumps(v) if isinstance(v, str) else v}"
                                           for k, v in values.items()])
-            # at the preset's N a cohort run is the frontier's run: it is run (and stored) once
-            same = part == "cohort" and config.clients_per_round == load_config(preset).clients_per_round
+            # at the preset's N and T a cohort or rounds run is the frontier's run: it is run (and stored) once
+            same = part != "frontier" and config.clients_per_round == preset_config.clients_per_round \
+                and config.num_rounds == preset_config.num_rounds
+            variant += f"|T={config.num_rounds}" if config.num_rounds != preset_config.num_rounds else ""
             runs.append({"part": part, "strategy": strategy, "placement": placement, "epsilon": eps, "seed": seed,
-                         "n": config.clients_per_round, "config": config,
+                         "n": config.clients_per_round, "rounds": config.num_rounds, "config": config,
                          "key": f"{'frontier' if same else part}|{strategy}|{placement}|{eps}|"
                                 f"{config.clients_per_round}|{seed}{variant}"})
     for run in runs if check else ():
@@ -113,15 +127,15 @@ def finished(done: dict, min_replies: int | None = None, preset: str | None = No
     fields = [key.split("|") for key in done]
     epsilons = sorted({float(f[3]) for f in fields} - {math.inf})
     seeds = sorted({int(f[5]) for f in fields})
-    return [run for run in plan(["frontier", "cohort"], epsilons, seeds, min_replies=min_replies, preset=preset,
-                                check=False) if run["key"] in done]
+    return [run for run in plan(["frontier", "cohort", "rounds"], epsilons, seeds, min_replies=min_replies,
+                                preset=preset, check=False) if run["key"] in done]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="the packaged preset the runs start from (default: the quickstart's; "
                                          "fashion_mnist: the real-data preset)")
-    parser.add_argument("--parts", help="frontier, cohort or both (default: both)")
+    parser.add_argument("--parts", help="frontier, cohort, rounds, comma-separated (default: frontier,cohort)")
     parser.add_argument("--epsilons", help=f"default: {','.join(f'{e:g}' for e in EPSILONS)}")
     parser.add_argument("--seeds", help="default: 0,1")
     parser.add_argument("--strategies", help="only these (comma-separated; default: all)")
@@ -149,8 +163,8 @@ def main() -> None:
         args.parts, args.seeds = args.parts or "frontier,cohort", args.seeds or "0,1"
         args.epsilons = args.epsilons or ",".join(f"{e:g}" for e in EPSILONS)
         parts = args.parts.split(",")
-        if unknown := [p for p in parts if p not in ("frontier", "cohort")]:
-            raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier or cohort.")
+        if unknown := [p for p in parts if p not in ("frontier", "cohort", "rounds")]:
+            raise ValueError(f"Unknown part '{unknown[0]}'; choose frontier, cohort or rounds.")
         if args.min_replies is not None and args.min_replies < 2:  # 0 would mean the default, stored apart
             raise ValueError(f"--min-replies is secagg's N_min: at least 2, got {args.min_replies}.")
         runs = plan(parts, [float(e) for e in args.epsilons.split(",")], [int(s) for s in args.seeds.split(",")],
@@ -292,25 +306,31 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     groups: dict[tuple, list[dict]] = {}
     for run in runs:
         if run["key"] in done:
-            groups.setdefault((run["part"], run["strategy"], run["placement"], run["epsilon"], run["n"]),
-                              []).append(done[run["key"]])
+            groups.setdefault((run["part"], run["strategy"], run["placement"], run["epsilon"], run["n"],
+                               run["rounds"]), []).append(done[run["key"]])
     if not groups:
         print("privacy_utility: no finished runs yet.")
         return
-    config: RunConfig = runs[0]["config"]
+    config: RunConfig = load_config(preset)
     chance = 1 / config.classes
     rows = []
-    for (part, strategy, placement, eps, n), results in groups.items():
+    late_rounds: dict[int, list[int]] = {}  # T -> the rounds of its last evaluations
+    for (part, strategy, placement, eps, n, rounds), results in groups.items():
+        late_rounds[rounds] = [i + 1 for i, a in enumerate(results[0]["accuracy"]) if a is not None][-LATE:]
         mean, spread = _summary([r["accuracy"][-1] for r in results])
         late, late_spread = _summary([_late(r) for r in results])
         rows.append({"part": part, "strategy": strategy, "placement": placement,
-                     "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "seeds": len(results),
+                     "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "rounds": rounds,
+                     "seeds": len(results),
                      "accuracy": round(mean, 4), "spread": round(spread, 4),
                      "late_accuracy": round(late, 4), "late_spread": round(late_spread, 4),
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
                      "threat_model": results[0]["threat_model"],
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
                      **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in reach}})
+    # accuracy against T: the preset's T beside the others, for the strategies and epsilons run at another T
+    varied = {(r["strategy"], r["epsilon"]) for r in rows if r["part"] == "rounds" and r["rounds"] != config.num_rounds}
+    rows = [r for r in rows if r["part"] != "rounds" or (r["strategy"], r["epsilon"]) in varied]
     name = stem(preset)
     RESULTS.mkdir(exist_ok=True)
     with open(RESULTS / f"{name}.csv", "w", newline="") as f:
@@ -323,8 +343,8 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         return "never" if value is None else f"{value / 1024:.0f} KiB"
 
     setting = f"the {preset} preset's" if preset else "the quickstart's"
-    first = next(iter(groups.values()))[0]["accuracy"]
-    late_rounds = [i + 1 for i, a in enumerate(first) if a is not None][-LATE:]
+    against_t = sorted((r for r in rows if r["part"] == "rounds"),
+                       key=lambda r: (r["strategy"], float(r["epsilon"]), r["rounds"]))
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
              f"Command: `{command_line('benchmarks.privacy_utility')}` (the tables: every finished run in "
              f"{name}.json; the n per row says how many seeds)  ", f"Commit: {revision()}  ",
@@ -337,8 +357,8 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
              f"reaches it (first seed). Last {LATE} evaluations: each run's mean accuracy at rounds "
-             f"{', '.join(map(str, late_rounds))}, the steadier reading where a private model moves from one "
-             "evaluation to the next (mean ± half the range over the seeds).", "",
+             f"{', '.join(map(str, late_rounds.get(config.num_rounds, [])))}, the steadier reading where a private "
+             "model moves from one evaluation to the next (mean ± half the range over the seeds).", "",
              "## Accuracy against epsilon", "",
              f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
@@ -353,6 +373,16 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
                f"{r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
                for r in rows if r["part"] == "cohort"],
+             *(["", "## Accuracy against T (the same budget over fewer rounds), noise at the server", "",
+                f"The budget spread over T rounds: fewer rounds, less noise each (z). Evaluated every T / "
+                f"{config.num_rounds // config.eval_every} rounds: "
+                + "; ".join(f"T = {t}: the last {LATE} at rounds {', '.join(map(str, late_rounds[t]))}"
+                            for t in sorted({r['rounds'] for r in against_t})) + ".", "",
+                f"| strategy | epsilon | T | accuracy | last {LATE} evaluations | z |",
+                "|---|---:|---:|---:|---:|---:|",
+                *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {r['accuracy']:.3f} ± {r['spread']:.3f} "
+                  f"(n={r['seeds']}) | {r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
+                  for r in against_t]] if against_t else []),
              "", f"![accuracy against epsilon]({name}_epsilon.png)", f"![accuracy against N]({name}_cohort.png)", ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

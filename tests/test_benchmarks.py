@@ -53,6 +53,29 @@ def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_t
     assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
 
 
+def test_accuracy_against_t_spreads_the_budget_over_fewer_rounds_beside_the_preset_s_run(tmp_path, monkeypatch):
+    """The rounds part runs the same epsilon over T = 10 rounds (less noise a round, evaluated every 2 rounds as T =
+    30 is every 5); its T = 30 run is the frontier's own, and the table sets them side by side."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+    from fedlora.experiment import noise_for
+
+    by_t = {r["rounds"]: r for r in plan(["rounds"], [2.0], [0], ["gm-ffa-lora"], None, None, "fashion_mnist")}
+    assert by_t[30]["key"] == "frontier|gm-ffa-lora|server|2.0|50|0"  # run (and stored) once
+    assert by_t[10]["key"] == "rounds|gm-ffa-lora|server|2.0|50|0|T=10"
+    assert (by_t[10]["config"].num_rounds, by_t[10]["config"].eval_every) == (10, 2)
+    assert noise_for(by_t[10]["config"]).noise_multiplier < noise_for(by_t[30]["config"]).noise_multiplier
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    done = {r["key"]: {"accuracy": [0.6 if i % r["config"].eval_every == 0 else None for i in range(1, t + 1)],
+                       "noise_multiplier": 2.0, "threat_model": "known-sketch, noise at the server",
+                       "bytes_up": [1024] * t} for t, r in by_t.items()}
+    frontier.write_results(finished(done, preset="fashion_mnist"), done, "fashion_mnist")
+    table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    assert "T = 10: the last 3 at rounds 6, 8, 10; T = 30: the last 3 at rounds 20, 25, 30." in table
+    assert "| gm-ffa-lora | 2 | 10 | 0.600 ± 0.000 (n=1) |" in table and "| gm-ffa-lora | 2 | 30 |" in table
+
+
 def test_the_tables_show_every_finished_run_whichever_runs_an_invocation_chose(monkeypatch, capsys):
     """A frontier run piece by piece (a seed, a part, a placement at a time) keeps one table: every run of the
     preset's plan in the json, at any epsilon and seed; at another secagg N_min, its secagg runs in place of the others."""
