@@ -373,7 +373,8 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
                f"{r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
                for r in rows if r["part"] == "cohort"],
-             *(["", "## Accuracy against T (the same budget over fewer rounds), noise at the server", "",
+             *(["", "## Accuracy against T (the same budget over fewer rounds), epsilon "
+                f"({against_t[0]['threat_model'] if against_t else ''})", "",
                 f"The budget spread over T rounds: fewer rounds, less noise each (z). Evaluated every T / "
                 f"{config.num_rounds // config.eval_every} rounds: "
                 + "; ".join(f"T = {t}: the last {LATE} at rounds {', '.join(map(str, late_rounds[t]))}"
