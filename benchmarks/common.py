@@ -85,10 +85,13 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None, resume: bool = 
     return [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-def save_figure(fig, name: str) -> None:
-    """Lays out ``fig``, writes it to results/<name> and closes it."""
+def save_figure(fig, name: str, source: str = "") -> None:
+    """Lays out ``fig``, writes it to results/<name> and closes it; ``source`` (the command and commit that made it)
+    goes in small print under the plot, so that the picture alone says where it came from."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04, 1, 1) if source else None)
+    if source:
+        fig.text(0.005, 0.005, source, fontsize=6, color="grey", ha="left", va="bottom", wrap=True)
     fig.savefig(RESULTS / name, dpi=120)
     plt.close(fig)

@@ -283,6 +283,12 @@ def _late(result: dict) -> float:
     return statistics.mean([a for a in result["accuracy"] if a is not None][-LATE:])
 
 
+def _pm(mean: float, spread: float) -> str:
+    """``mean ± spread`` to three places, rounded once: rounding to four places first turned 0.80455 into 0.804 (the
+    round to nine drops the averaging's float noise, so a tie such as 0.4365 rounds as the float 0.4365 does)."""
+    return f"{round(mean, 9):.3f} ± {round(spread, 9):.3f}"
+
+
 def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
@@ -322,8 +328,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         rows.append({"part": part, "strategy": strategy, "placement": placement,
                      "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "rounds": rounds,
                      "seeds": len(results),
-                     "accuracy": round(mean, 4), "spread": round(spread, 4),
-                     "late_accuracy": round(late, 4), "late_spread": round(late_spread, 4),
+                     "accuracy": mean, "spread": spread, "late_accuracy": late, "late_spread": late_spread,
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
                      "threat_model": results[0]["threat_model"],
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
@@ -333,11 +338,20 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     rows = [r for r in rows if r["part"] != "rounds" or (r["strategy"], r["epsilon"]) in varied]
     name = stem(preset)
     RESULTS.mkdir(exist_ok=True)
+    # the command whose plan holds the tabled runs (its unfinished runs are what is left to run); seeds beyond the
+    # default two were run for a few comparisons only, each row's n says where
+    parts = [p for p in ("frontier", "cohort", "rounds") if any(r["part"] == p for r in rows)]
+    reproduce = " ".join(["python -m benchmarks.privacy_utility", *(["--config", preset] if preset else []),
+                          "--parts", ",".join(parts)])
+    if extra := sorted({r["seed"] for r in runs} - {0, 1}):
+        reproduce += f"` and, for the rows with n > 2, `--seeds {','.join(map(str, extra))}"
     with open(RESULTS / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
-    _plot(rows, chance, name, config.num_clients)
+        # rounded here only: the tables format the exact means (rounding twice can move the third digit)
+        writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
+    _plot(rows, chance, name, config.num_clients,
+          f"python -m benchmarks.privacy_utility{f' --config {preset}' if preset else ''} · commit {revision()}")
 
     def kib(value):
         return "never" if value is None else f"{value / 1024:.0f} KiB"
@@ -346,8 +360,10 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     against_t = sorted((r for r in rows if r["part"] == "rounds"),
                        key=lambda r: (r["strategy"], float(r["epsilon"]), r["rounds"]))
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
-             f"Command: `{command_line('benchmarks.privacy_utility')}` (the tables: every finished run in "
-             f"{name}.json; the n per row says how many seeds)  ", f"Commit: {revision()}  ",
+             f"Runs: `{reproduce}` (it skips the runs {name}.json holds; with `--run-dirs DIR` a stopped run "
+             "continues from its last round): the tables show every run of it finished so far, the n per row how "
+             "many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
+             f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
              f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
@@ -363,15 +379,15 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
              "|---|---|---:|---:|---:|---:|" + "---:|" * len(reach),
-             *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}) | {r['accuracy']:.3f} ± {r['spread']:.3f} "
-               f"(n={r['seeds']}) | {r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} | "
+             *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}) | {_pm(r['accuracy'], r['spread'])} "
+               f"(n={r['seeds']}) | {_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} | "
                f"{r['bytes_per_client_round'] / 1024:.1f} KiB | "
                + " | ".join(kib(r[f"upload_to_{a:g}"]) for a in reach) + " |"
                for r in rows if r["part"] == "frontier"],
              "", "## Accuracy against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
              f"| strategy | N | accuracy | last {LATE} evaluations | z |", "|---|---:|---:|---:|---:|",
-             *[f"| {r['strategy']} | {r['n']} | {r['accuracy']:.3f} ± {r['spread']:.3f} (n={r['seeds']}) | "
-               f"{r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
+             *[f"| {r['strategy']} | {r['n']} | {_pm(r['accuracy'], r['spread'])} (n={r['seeds']}) | "
+               f"{_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} |"
                for r in rows if r["part"] == "cohort"],
              *(["", "## Accuracy against T (the same budget over fewer rounds), epsilon "
                 f"({against_t[0]['threat_model'] if against_t else ''})", "",
@@ -381,15 +397,15 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
                             for t in sorted({r['rounds'] for r in against_t})) + ".", "",
                 f"| strategy | epsilon | T | accuracy | last {LATE} evaluations | z |",
                 "|---|---:|---:|---:|---:|---:|",
-                *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {r['accuracy']:.3f} ± {r['spread']:.3f} "
-                  f"(n={r['seeds']}) | {r['late_accuracy']:.3f} ± {r['late_spread']:.3f} | {r['noise_multiplier']:g} |"
+                *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {_pm(r['accuracy'], r['spread'])} "
+                  f"(n={r['seeds']}) | {_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} |"
                   for r in against_t]] if against_t else []),
              "", f"![accuracy against epsilon]({name}_epsilon.png)", f"![accuracy against N]({name}_cohort.png)", ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _plot(rows: list[dict], chance: float, name: str, num_clients: int) -> None:
+def _plot(rows: list[dict], chance: float, name: str, num_clients: int, source: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -419,7 +435,7 @@ def _plot(rows: list[dict], chance: float, name: str, num_clients: int) -> None:
     axes[0].set_ylabel("final test accuracy")
     labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     axes[-1].legend(labelled.values(), labelled.keys(), fontsize=7)  # every strategy, wherever it was drawn
-    save_figure(fig, f"{name}_epsilon.png")
+    save_figure(fig, f"{name}_epsilon.png", source)
 
     cohort = [r for r in rows if r["part"] == "cohort"]
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -436,7 +452,7 @@ def _plot(rows: list[dict], chance: float, name: str, num_clients: int) -> None:
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    save_figure(fig, f"{name}_cohort.png")
+    save_figure(fig, f"{name}_cohort.png", source)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,25 @@ def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_t
     assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
 
 
+def test_the_frontier_table_rounds_once_and_names_the_command_behind_every_row(tmp_path, monkeypatch):
+    """The means are formatted as measured (rounding to 4 places first turned 0.80455 into 0.804), and the header
+    gives the one command whose runs the tables hold, whichever invocation wrote them."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    runs = plan(["frontier"], [8.0], [0, 1], ["gm-ffa-lora"], ["server"], None, "fashion_mnist")
+    final = {0: 0.8062, 1: 0.8029}  # mean 0.80455: round(mean, 4) is 0.8045
+    done = {run["key"]: {"accuracy": [final[run["seed"]] if r % 5 == 0 else None for r in range(1, 31)],
+                         "noise_multiplier": 1.4, "threat_model": "known-sketch, noise at the server",
+                         "bytes_up": [1024] * 30} for run in runs}
+    frontier.write_results(runs, done, "fashion_mnist")
+    table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    assert "| 0.805 ± 0.002 (n=2) | 0.805 ± 0.002 |" in table
+    assert "Runs: `python -m benchmarks.privacy_utility --config fashion_mnist --parts frontier` (" in table
+    assert "0.8045" in (tmp_path / "privacy_utility_fashion_mnist.csv").read_text()  # the csv keeps 4 places
+
 def test_accuracy_against_t_spreads_the_budget_over_fewer_rounds_beside_the_preset_s_run(tmp_path, monkeypatch):
     """The rounds part runs the same epsilon over T = 10 rounds (less noise a round, evaluated every 2 rounds as T =
     30 is every 5); its T = 30 run is the frontier's own, and the table sets them side by side."""
