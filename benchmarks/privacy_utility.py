@@ -283,6 +283,27 @@ def _late(result: dict) -> float:
     return statistics.mean([a for a in result["accuracy"] if a is not None][-LATE:])
 
 
+def _reproduce(runs: list[dict], parts: list[str], preset: str | None) -> str:
+    """The commands whose plans hold the tabled runs (their unfinished runs are what is left to run): the parts at the
+    default seeds, then each comparison run at more seeds (each row's n says how many)."""
+    base = ["python -m benchmarks.privacy_utility", *(["--config", preset] if preset else [])]
+    variant = {f"--min-replies {key.split('min-replies=')[1].split('|')[0]}" for key in (r["key"] for r in runs)
+               if "min-replies=" in key}
+    commands = [" ".join([*base, "--parts", ",".join(parts), *sorted(variant)])]
+    extra: dict[tuple, tuple[set, set]] = {}  # (strategy, seeds beyond 0 and 1) -> (placements, epsilons)
+    for strategy, eps in {(r["strategy"], r["epsilon"]) for r in runs if r["part"] == "frontier"}:
+        mine = [r for r in runs if r["part"] == "frontier" and (r["strategy"], r["epsilon"]) == (strategy, eps)]
+        if seeds := tuple(sorted({r["seed"] for r in mine} - {0, 1})):
+            placements, epsilons = extra.setdefault((strategy, seeds), (set(), set()))
+            placements.update(r["placement"] for r in mine if r["seed"] in seeds)
+            epsilons.add(eps)
+    commands += [" ".join([*base, "--parts frontier --strategies", strategy, "--placements",
+                           ",".join(sorted(placements)), "--epsilons", ",".join(f"{e:g}" for e in sorted(epsilons)),
+                           "--seeds", ",".join(map(str, seeds)), *sorted(variant)])
+                 for (strategy, seeds), (placements, epsilons) in sorted(extra.items())]
+    return "`, `".join(commands)
+
+
 def _pm(mean: float, spread: float) -> str:
     """``mean ± spread`` to three places, rounded once: rounding to four places first turned 0.80455 into 0.804 (the
     round to nine drops the averaging's float noise, so a tie such as 0.4365 rounds as the float 0.4365 does)."""
@@ -338,20 +359,15 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     rows = [r for r in rows if r["part"] != "rounds" or (r["strategy"], r["epsilon"]) in varied]
     name = stem(preset)
     RESULTS.mkdir(exist_ok=True)
-    # the command whose plan holds the tabled runs (its unfinished runs are what is left to run); seeds beyond the
-    # default two were run for a few comparisons only, each row's n says where
-    parts = [p for p in ("frontier", "cohort", "rounds") if any(r["part"] == p for r in rows)]
-    reproduce = " ".join(["python -m benchmarks.privacy_utility", *(["--config", preset] if preset else []),
-                          "--parts", ",".join(parts)])
-    if extra := sorted({r["seed"] for r in runs} - {0, 1}):
-        reproduce += f"` and, for the rows with n > 2, `--seeds {','.join(map(str, extra))}"
+    reproduce = _reproduce(runs, [p for p in ("frontier", "cohort", "rounds") if any(r["part"] == p for r in rows)],
+                           preset)
     with open(RESULTS / f"{name}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         # rounded here only: the tables format the exact means (rounding twice can move the third digit)
         writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
     _plot(rows, chance, name, config.num_clients,
-          f"python -m benchmarks.privacy_utility{f' --config {preset}' if preset else ''} · commit {revision()}")
+          f"{reproduce.replace('`', '')} · commit {revision()}")
 
     def kib(value):
         return "never" if value is None else f"{value / 1024:.0f} KiB"
@@ -360,9 +376,9 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
     against_t = sorted((r for r in rows if r["part"] == "rounds"),
                        key=lambda r: (r["strategy"], float(r["epsilon"]), r["rounds"]))
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
-             f"Runs: `{reproduce}` (it skips the runs {name}.json holds; with `--run-dirs DIR` a stopped run "
-             "continues from its last round): the tables show every run of it finished so far, the n per row how "
-             "many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
+             f"Runs: `{reproduce}` (each skips the runs {name}.json holds; with `--run-dirs DIR` a stopped run "
+             "continues from its last round): the tables show every run of these finished so far, the n per row "
+             "how many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
              f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
              f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "

@@ -3,7 +3,7 @@
 ``global-state.safetensors`` in the run directory holds the global adapters as the server aggregated
 them (sketched when the mechanism sketches) and, in its metadata, everything a resumed run needs:
 the rounds done, the releases issued (retries included) and whether the last one's round was cut
-short, the privacy ledger, the metrics rows so far, the run's status, the clip norm (adaptive
+short, the privacy ledger, the metrics rows so far and what the last round done did (for its row), the run's status, the clip norm (adaptive
 clipping moves it), and the fingerprint of the nodes' sketch secret when the nodes hold it. The
 server optimizer's state (message = update) is saved beside the adapters, as tensors named
 ``server-optimizer/<slot>/<entry>``. Sampling, sketches and simulation noise are pure
@@ -21,8 +21,10 @@ from fedlora.federation import GlobalState
 
 STATE_FILE = "global-state.safetensors"
 # The layout of the file's metadata and tensors. Bumped whenever it changes: a run is resumed only by a fedlora that
-# reads its checkpoint's format (files without the field are format 1, the first).
-CHECKPOINT_FORMAT = 1
+# reads its checkpoint's format (files without the field are format 1, the first). Format 2 adds the last round's
+# telemetry (round_info); a format-1 file reads as one without it.
+CHECKPOINT_FORMAT = 2
+READABLE_FORMATS = (1, 2)
 OPTIMIZER_PREFIX = "server-optimizer/"
 
 RUNNING, FINISHED, BUDGET_SPENT, STALLED, RESTART = "running", "finished", "budget-spent", "stalled", "restart"
@@ -43,6 +45,8 @@ class Checkpoint:
     secret_fingerprint: int | None = None
     clip_norm: float | None = None  # the next round's clip norm (None: files from before adaptive clipping)
     optimizer: dict = field(default_factory=dict)  # ServerOptimizer.state
+    # what round rounds_done did (replies, bytes, seconds...): its metrics row, if the run stops before writing it
+    round_info: dict = field(default_factory=dict)
 
     def save(self, run_dir: Path) -> None:
         """Writes the checkpoint next to its final place, then renames it over the old one: a crash at any
@@ -53,7 +57,7 @@ class Checkpoint:
         partial = path.with_name(path.name + ".partial")
         progress = {"rounds_done": self.rounds_done, "releases": self.releases, "in_flight": self.in_flight,
                     "ledger": self.ledger, "rows": self.rows, "status": self.status, "reason": self.reason,
-                    "simulated": self.simulated, "clip_norm": self.clip_norm}
+                    "simulated": self.simulated, "clip_norm": self.clip_norm, "round_info": self.round_info}
         metadata = {"produced_by": str(self.state.produced_by), "progress": json.dumps(progress),
                     "format": str(CHECKPOINT_FORMAT)}
         if self.secret_fingerprint is not None:
@@ -78,9 +82,10 @@ class Checkpoint:
             raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
-            if int(metadata.get("format", 1)) != CHECKPOINT_FORMAT:
+            if int(metadata.get("format", 1)) not in READABLE_FORMATS:
                 raise ValueError(f"The checkpoint in '{run_dir}' has format {metadata['format']}; this fedlora "
-                                 f"reads format {CHECKPOINT_FORMAT}: continue the run with the fedlora that wrote it.")
+                                 f"reads formats {', '.join(map(str, READABLE_FORMATS))}: continue the run with the "
+                                 "fedlora that wrote it.")
             tensors = {n: f.get_tensor(n) for n in f.keys()}
         state = GlobalState({n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)},
                             int(metadata["produced_by"]))

@@ -168,7 +168,9 @@ class RunRecorder:
                "client_privatize_seconds": info.get("privatize_seconds", math.nan),
                "client_startup_seconds": info.get("startup_seconds", math.nan),
                "server_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
-               "seconds": time.time() - info.get("started", self.started), "time": time.time(),
+               # a row recorded after a restart carries its round's own seconds (its start was another launch's)
+               "seconds": info["seconds"] if "seconds" in info else time.time() - info.get("started", self.started),
+               "time": time.time(),
                "startup": info.get("startup")}  # seconds before this launch's first round, by part
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)

@@ -5,6 +5,7 @@ replies, retries short rounds, accounts, and stops before the privacy budget wou
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from logging import INFO, WARNING
@@ -35,6 +36,10 @@ def _mean_telemetry(metrics: list) -> dict[str, float]:
             for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")}
 
 
+# what a round's info holds that its metrics row reads (fedlora.experiment.RunRecorder.record)
+ROUND_TELEMETRY = ("release", "sampled", "replies", "failed", "rejected", "nodes", "bytes_up", "bytes_down",
+                   "aggregation_seconds", "train_seconds", "privatize_seconds", "startup_seconds", "train_loss",
+                   "clip_norm", "clip_fraction", "startup")
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
 PARTITION_QUERY_TRIES = 3  # asks to the nodes that have not told their partition before the run gives up
 
@@ -87,7 +92,17 @@ class FedLoRAStrategy(Strategy):
                           self.ledger.to_dict() if self.ledger is not None else None,
                           status=self.status, reason=self.reason, simulated=self.simulated,
                           secret_fingerprint=self.secret_fingerprint, clip_norm=self.clip_norm,
-                          optimizer=dict(self.optimizer.state) if self.optimizer is not None else {})
+                          optimizer=dict(self.optimizer.state) if self.optimizer is not None else {},
+                          round_info=self._telemetry(self.rounds.get(self.rounds_done, {})))
+
+    @staticmethod
+    def _telemetry(info: dict) -> dict:
+        """What a round's metrics row reads of its info (not the partitions and nodes it was dealt), as JSON; its
+        seconds are the round's own, since a row recorded by the next launch cannot time it."""
+        kept = {k: v for k, v in info.items() if k in ROUND_TELEMETRY}
+        if "round_seconds" in info:
+            kept["seconds"] = info["round_seconds"]
+        return json.loads(json.dumps(kept, default=float))
 
     def restore(self, saved: Checkpoint) -> None:
         """Continues from ``saved``.
@@ -100,6 +115,8 @@ class FedLoRAStrategy(Strategy):
         if self.ledger is not None and saved.ledger is None:
             raise RuntimeError("The checkpoint holds no privacy ledger for this private run: it cannot be resumed.")
         self.state, self.rounds_done, self.releases = saved.state, saved.rounds_done, saved.releases
+        if saved.round_info:
+            self.rounds[saved.rounds_done] = dict(saved.round_info)
         self.ledger = PrivacyLedger.from_dict(saved.ledger) if saved.ledger is not None else None
         self.secret_fingerprint = saved.secret_fingerprint
         self.clip_norm = saved.clip_norm if saved.clip_norm is not None else self.config.clip_norm
@@ -138,6 +155,8 @@ class FedLoRAStrategy(Strategy):
                 break
             result.arrays = arrays
             self.rounds_done = server_round
+            info = self.rounds.setdefault(server_round, {})
+            info["round_seconds"] = time.time() - info.get("started", time.time())  # for a recovered row
             self.save()  # the round is done: evaluating it must not be able to lose it
             if evaluate_fn:  # records the round's metrics and saves the checkpoint with them
                 metrics = evaluate_fn(server_round, arrays)

@@ -52,7 +52,8 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     if saved:
         strategy.restore(saved)
         if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics
-            recorder.record(strategy.rounds_done, strategy.state, {}, strategy.ledger)
+            recorder.record(strategy.rounds_done, strategy.state, strategy.rounds.get(strategy.rounds_done, {}),
+                            strategy.ledger)
             strategy.save()
 
     def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:

@@ -1,5 +1,6 @@
 """The benchmark scripts' own logic (their measurements are runs, not tests)."""
 
+import csv
 import json
 
 import pytest
@@ -70,7 +71,13 @@ def test_the_frontier_table_rounds_once_and_names_the_command_behind_every_row(t
     table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
     assert "| 0.805 ± 0.002 (n=2) | 0.805 ± 0.002 |" in table
     assert "Runs: `python -m benchmarks.privacy_utility --config fashion_mnist --parts frontier` (" in table
-    assert "0.8045" in (tmp_path / "privacy_utility_fashion_mnist.csv").read_text()  # the csv keeps 4 places
+    with open(tmp_path / "privacy_utility_fashion_mnist.csv") as f:
+        assert next(csv.DictReader(f))["accuracy"] == "0.8045"  # the csv keeps 4 places
+    more = plan(["frontier"], [8.0], [0, 1, 2], ["gm-ffa-lora"], ["server"], None, "fashion_mnist")
+    assert frontier._reproduce(more, ["frontier"], "fashion_mnist").endswith(
+        "`python -m benchmarks.privacy_utility --config fashion_mnist --parts frontier --strategies gm-ffa-lora "
+        "--placements server --epsilons 8 --seeds 2")  # a comparison run at more seeds: its own command
+
 
 def test_accuracy_against_t_spreads_the_budget_over_fewer_rounds_beside_the_preset_s_run(tmp_path, monkeypatch):
     """The rounds part runs the same epsilon over T = 10 rounds (less noise a round, evaluated every 2 rounds as T =

@@ -148,7 +148,7 @@ def _finished_run(path: Path, simulated: bool) -> Path:
 @pytest.mark.parametrize("case, message", [
     ("simulation", "was a simulation: continue it with `fedlora run --resume"),
     ("finished", "has ended (finished"),
-    ("format", "has format 99; this fedlora reads format 1"),
+    ("format", "has format 99; this fedlora reads formats 1, 2"),
     ("flags", "drop --set"),
     ("credentials", "The deployment's credentials lack"),
     ("nothing", "holds no config.json"),

@@ -233,6 +233,32 @@ def test_a_crashed_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch
     assert Checkpoint.load(out).status == FINISHED
 
 
+def test_a_run_stopped_between_a_round_and_its_metrics_row_records_that_round_s_own_telemetry(tmp_path, monkeypatch):
+    """The checkpoint after a round holds what the round did: the row the resumed run writes for it has the round's
+    replies, bytes and seconds (it read 0 sampled, 0 replies and 0 bytes before), not the next launch's."""
+    from fedlora.experiment import RunRecorder
+
+    reference, _ = _run(tmp_path / "reference", num_rounds=3)
+    original = RunRecorder.record
+
+    def record(self, round_, *args):
+        if round_ == 2:
+            raise Crash()
+        return original(self, round_, *args)
+    with monkeypatch.context() as patch:
+        patch.setattr(RunRecorder, "record", record)
+        with pytest.raises(Crash):
+            _run(tmp_path / "crashed", num_rounds=3)
+    assert Checkpoint.load(tmp_path / "crashed").rounds_done == 2 and len(_rows(tmp_path / "crashed")) == 1
+    _resume(tmp_path / "crashed", num_rounds=3)
+    rows, expected = _rows(tmp_path / "crashed"), _rows(tmp_path / "reference")
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    for key in ("sampled", "replies", "bytes_up", "bytes_down", "releases", "epsilon"):
+        assert rows[1][key] == expected[1][key], key
+    assert rows[1]["replies"] == SMALL["clients-per-round"] and rows[1]["bytes_up"] > 0
+    assert 0 < rows[1]["seconds"] < rows[1]["time"] - rows[0]["time"]  # the round's own, not since the crash
+
+
 def test_a_crashed_secure_aggregation_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     """Its checkpoint holds the secagg ledger (Skellam releases), and the round whose SecAgg+ protocol the crash
     stopped (released and counted, nothing summed yet) is run again without being counted twice."""
@@ -325,6 +351,17 @@ def test_a_state_file_from_before_checkpoints_counts_as_ended(tmp_path):
 
     save_file({"classifier.weight": torch.zeros(2, 2)}, str(tmp_path / STATE_FILE), metadata={"produced_by": "0"})
     assert Checkpoint.load(tmp_path).status == FINISHED
+
+
+def test_a_format_1_checkpoint_resumes_without_the_last_round_s_telemetry(tmp_path):
+    """Runs checkpointed before format 2 keep resuming: their progress has no round_info."""
+    from safetensors.torch import save_file
+
+    progress = {"rounds_done": 2, "releases": 2, "status": "running", "simulated": True}
+    save_file({"classifier.weight": torch.zeros(2, 2)}, str(tmp_path / STATE_FILE),
+              metadata={"produced_by": "2", "progress": json.dumps(progress), "format": "1"})
+    saved = Checkpoint.load(tmp_path)
+    assert (saved.rounds_done, saved.round_info) == (2, {})
 
 
 def test_private_clients_report_no_training_loss(tmp_path):
