@@ -1,13 +1,13 @@
 """A run's checkpoint: one file, rewritten atomically whenever the run's state changes.
 
 ``global-state.safetensors`` in the run directory holds the global adapters as the server aggregated
-them (sketched when the mechanism sketches) and, in its metadata, everything a resumed run needs:
-the rounds done, the releases issued (retries included) and whether the last one's round was cut
-short, the privacy ledger, the metrics rows so far and what the last round done did (for its row), the run's status, the clip norm (adaptive
-clipping moves it), and the fingerprint of the nodes' sketch secret when the nodes hold it. The
-server optimizer's state (message = update) is saved beside the adapters, as tensors named
-``server-optimizer/<slot>/<entry>``. Sampling, sketches and simulation noise are pure
-functions of (seed, release, partition), so they need no state of their own.
+them (sketched when the mechanism sketches) and, in its metadata, everything a resumed run needs: the
+rounds done, the releases issued (retries included) and whether the last one's round was cut short, the
+privacy ledger, the metrics rows so far and the last round's telemetry (for its row), the run's status,
+the clip norm (adaptive clipping moves it), and the fingerprint of the nodes' sketch secret when the
+nodes hold it. The server optimizer's state (message = update) is saved beside the adapters, as tensors
+named ``server-optimizer/<slot>/<entry>``. Sampling, sketches and simulation noise are pure functions of
+(seed, release, partition), so they need no state of their own.
 """
 
 from __future__ import annotations
