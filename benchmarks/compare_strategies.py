@@ -21,6 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.algorithms import ALGORITHMS
+from fedlora.cli import add_overrides
 from fedlora.config import load_config
 from fedlora.experiment import check_before_start
 from fedlora.launch import run_simulation
@@ -49,7 +50,7 @@ def compare() -> None:
     parser.add_argument("--strategies", default=",".join(ALGORITHMS), help="comma-separated")
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--sweep", help="KEY=V1,V2,...: repeat for each value (e.g. target-epsilon, sketch-dim, rank)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the preset")
+    add_overrides(parser, "override the preset")
     args = parser.parse_args()
     sweep_key, sweep_values = (args.sweep.split("=", 1)[0], args.sweep.split("=", 1)[1].split(",")) if args.sweep \
         else (None, [None])

@@ -24,6 +24,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, command_line, machine, revision
+from fedlora.cli import add_overrides
 from fedlora.config import RunConfig, load_config, load_split
 from fedlora.data import load_partition, make_partitioner, to_torch
 from fedlora.federation import Protocol, derive_seed
@@ -99,7 +100,7 @@ def main() -> None:
                              "(start-up) and a last one (evaluation) are run besides and left out")
     parser.add_argument("--paths", default="message,packed", help="simulation paths: message, packed or both")
     parser.add_argument("--table-only", action="store_true", help="write overhead.md from overhead.json")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override the quickstart")
+    add_overrides(parser, "override the quickstart")
     args = parser.parse_args()
     try:
         cohorts, paths = [int(n) for n in args.cohorts.split(",")], args.paths.split(",")

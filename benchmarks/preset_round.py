@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import machine, run_inprocess
+from fedlora.cli import add_overrides
 from fedlora.config import load_config
 from fedlora.federation import Protocol
 
@@ -29,7 +30,7 @@ OFFLINE_TWIN = ['dataset="synthetic"', 'model="vit-b16-random"', "train-examples
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="run-config overrides")
+    add_overrides(parser, "run-config overrides")
     args = parser.parse_args()
     if args.rounds < 1:
         print(f"preset_round: error: --rounds must be at least 1, got {args.rounds}.", file=sys.stderr)

@@ -641,6 +641,12 @@ def _audit_lines(r: dict) -> str:
     return "\n".join(lines)
 
 
+def add_overrides(parser: argparse.ArgumentParser, help: str = "override config keys") -> None:
+    """`--set KEY=VALUE [KEY=VALUE ...]`, repeatable: `--set a=1 b=2` and `--set a=1 --set b=2` are the same."""
+    parser.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                        help=f"{help} (one or more KEY=VALUE; repeatable)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedlora", description="Differentially private federated LoRA with sketched Gaussian mechanisms.")
     parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
@@ -665,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = commands.add_parser("run", help="run a simulated federation (default: the offline CPU quickstart)")
     r.add_argument("--config", help="a TOML preset file, or a packaged preset by name (quickstart, fashion_mnist, "
                                     "small_cohort, cifar100_private, paper_cifar100); default: the quickstart")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    add_overrides(r)
     r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
     r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
                                                    "a kill or a stop), with its own config")
@@ -676,12 +682,12 @@ def build_parser() -> argparse.ArgumentParser:
     cl = commands.add_parser("cluster", help="check that every node of a Ray cluster can run a config's clients "
                                              "(as `fedlora run --ray-address` does first; for `flwr run` users)")
     cl.add_argument("--config", help="a TOML preset, or a packaged preset by name; default: the quickstart")
-    cl.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    add_overrides(cl)
     cl.add_argument("--ray-address", metavar="HOST:PORT", help="the cluster's head (default: RAY_ADDRESS)")
 
     dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
     dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")
-    dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    add_overrides(dp)
     dp.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
     dp.add_argument("--credentials", help="a folder written by `fedlora credentials` (default: new, in the run "
                                           "directory)")
@@ -703,7 +709,7 @@ def build_parser() -> argparse.ArgumentParser:
     au = commands.add_parser("audit", help="measure a strategy's empirical privacy: membership tests on its "
                                            "mechanism and canaries in a run")
     au.add_argument("--config", help="a TOML preset; default: the quickstart with 400 clients, 40 per round")
-    au.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one config key")
+    add_overrides(au)
     au.add_argument("--trials", type=_positive, default=5000, help="releases per hypothesis at the mechanism level "
                                                                     "(default 5000)")
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
@@ -751,8 +757,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--config", help="a TOML preset: the run's own accounting (what `fedlora run` calibrates and "
                                     "spends) replaces the flags")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="with --config: override a key of the preset, as `fedlora run --set` does")
+    add_overrides(p, "with --config: override keys of the preset, as `fedlora run --set` does")
     return parser
 
 

@@ -183,3 +183,11 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     shares = [float(line.rsplit("|", 2)[1].strip().rstrip("%")) for line in rows]
     assert len(rows) == 5 and shares == sorted(shares, reverse=True) and 20 < sum(shares) <= 100.5
     assert any("mm" in line for line in rows[:2])  # the tiny ViT's matrix products lead on a CPU
+
+
+@pytest.mark.parametrize("steps", ["600,300", "0", "x", "600,600"])
+def test_the_real_data_ceilings_refuse_step_counts_that_do_not_increase_before_any_work(steps, capsys):
+    from benchmarks.real_data import main
+
+    assert main(["--steps", steps]) == 2
+    assert capsys.readouterr().err.startswith("real_data: error: --steps takes increasing positive step counts")

@@ -174,6 +174,18 @@ def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
     assert "needs --threat-model known-sketch" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["run", "cluster", "deploy", "audit", "privacy"])
+def test_set_takes_several_assignments_at_once_or_one_at_a_time(command):
+    """`--set a=1 b=2` (as the docs write it) and `--set a=1 --set b=2` give the same overrides, in order."""
+    from fedlora.cli import build_parser
+
+    parser = build_parser()
+    together = parser.parse_args([command, "--set", "num-rounds=10", "seed=1", "--set", "strategy=ffa-lora"])
+    apart = parser.parse_args([command, "--set", "num-rounds=10", "--set", "seed=1", "--set", "strategy=ffa-lora"])
+    assert together.set == apart.set == ["num-rounds=10", "seed=1", "strategy=ffa-lora"]
+    assert parser.parse_args([command]).set == []  # the default list is not shared between parses
+
+
 @pytest.mark.parametrize("preset, sets", [
     ("quickstart", []), ("small_cohort", []), ("paper_cifar100", []), ("cifar100_private", []),
     ("small_cohort", ["noise-multiplier=2.0", 'head="probe"']),
