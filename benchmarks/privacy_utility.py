@@ -44,6 +44,7 @@ from benchmarks.common import RESULTS, command_line, machine, revision, run_inpr
 from fedlora.algorithms import get_algorithm
 from fedlora.config import RunConfig, load_config
 from fedlora.experiment import noise_for
+from fedlora.privacy.events import OBSERVER_LABELS, Observer
 
 PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
@@ -259,7 +260,8 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
                 echo(f"resuming from {out}")
             rows = run_inprocess(config, out, echo=echo, resume=resumed)
     return key, {"accuracy": [r["accuracy"] for r in rows], "epsilon": rows[-1]["epsilon"],
-                 "threat_model": rows[-1]["threat_model"], "noise_multiplier": rows[-1]["noise_multiplier"],
+                 "threat_model": rows[-1]["threat_model"],
+                 "epsilon_by_observer": rows[-1].get("epsilon_by_observer", {}), "noise_multiplier": rows[-1]["noise_multiplier"],
                  "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(),
                  # a finished run found on disk: the seconds its rounds took, not the reading
                  "seconds": sum(r["seconds"] for r in rows) if reused else time.time() - started,
@@ -273,6 +275,15 @@ def _upload_to_reach(result: dict, accuracy: float) -> float | None:
         if value is not None and value >= accuracy:
             return statistics.mean(result["bytes_up"][:round_]) * round_
     return None
+
+
+def _other_observers(result: dict) -> str:
+    """The run's finite epsilons against the observers besides the one it was calibrated for, as its progress lines
+    print them (secure aggregation: the server, and a server that breaks SecAgg+; the noise added by the server
+    holds nothing against it)."""
+    observed = result["threat_model"].rsplit("; ", 1)[-1]
+    return "".join(f"; {value:.3g} {label}" for observer, value in result.get("epsilon_by_observer", {}).items()
+                   if math.isfinite(value) and (label := OBSERVER_LABELS[Observer(observer)]) != observed)
 
 
 LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next
@@ -351,7 +362,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
                      "seeds": len(results),
                      "accuracy": mean, "spread": spread, "late_accuracy": late, "late_spread": late_spread,
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
-                     "threat_model": results[0]["threat_model"],
+                     "threat_model": results[0]["threat_model"] + _other_observers(results[0]),
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
                      **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in reach}})
     # accuracy against T: the preset's T beside the others, for the strategies and epsilons run at another T

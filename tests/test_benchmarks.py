@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 
 import pytest
 
@@ -52,6 +53,31 @@ def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_t
     table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
     assert "Last 3 evaluations: each run's mean accuracy at rounds 20, 25, 30" in table
     assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
+
+
+def test_a_secure_aggregation_row_names_its_epsilon_against_the_server_as_the_run_printed_it(tmp_path, monkeypatch):
+    """Under SecAgg+ the server draws the sample and a server that breaks the protocol sees one reply: the table gives
+    both epsilons beside the observers' one, as the run's progress lines do; noise at the server holds nothing
+    against the server (inf), which the row's placement already says."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    runs = plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["server", "secagg"], None, "fashion_mnist")
+    label = "known-sketch, noise {}; against observers of the model (sample hidden)"
+    done = {run["key"]: {"accuracy": [0.8 if r % 5 == 0 else None for r in range(1, 31)], "epsilon": 8.0,
+                         "noise_multiplier": 1.4, "bytes_up": [1024] * 30,
+                         **({"threat_model": label.format("in client shares under secure aggregation"),
+                             "epsilon_by_observer": {"model": 8.0, "server": 18.52, "one-reply": 830.4}}
+                            if run["placement"] == "secagg" else
+                            {"threat_model": label.format("at the server"),
+                             "epsilon_by_observer": {"model": 8.0, "server": math.inf}})} for run in runs}
+    frontier.write_results(runs, done, "fashion_mnist")
+    table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    assert ("under secure aggregation; against observers of the model (sample hidden); 18.5 against the server "
+            "(sample known); 830 against a server that breaks SecAgg+ (one reply alone, sample known)) |") in table
+    assert "noise at the server; against observers of the model (sample hidden)) |" in table
 
 
 def test_the_frontier_table_rounds_once_and_names_the_command_behind_every_row(tmp_path, monkeypatch):
