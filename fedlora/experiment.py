@@ -20,7 +20,7 @@ from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
-from fedlora.privacy.events import OBSERVER_LABELS, Observer, Phase, observers
+from fedlora.privacy.events import Phase, observers, other_observers
 from fedlora.tracking import clear_progress, tracker_for, write_progress
 from fedlora.training import evaluate, select_device
 
@@ -256,9 +256,8 @@ def format_progress(row: dict, config: RunConfig) -> str:
     measured = row["accuracy"] is not None and not math.isnan(row["accuracy"])
     accuracy = f"{row['accuracy']:6.3f}" if measured else "     -"
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
-    eps += "".join(f", {value:.3f} {OBSERVER_LABELS[Observer(observer)]}"
-                   for observer, value in row.get("epsilon_by_observer", {}).items()
-                   if observer != row.get("observer") and math.isfinite(value))
+    eps += "".join(f", {value:.3f} {label}"
+                   for value, label in other_observers(row.get("epsilon_by_observer", {}), row.get("observer")))
     line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"

@@ -581,3 +581,17 @@ def test_every_strategy_runs_a_round_from_the_default_config(tmp_path, strategy_
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     assert row["round"] == 1 and row["replies"] == 3 and row["rejected"] == 0
     assert row["threat_model"].startswith("known-sketch, noise at the server") == (strategy_name in PRIVATE_ALGORITHMS)
+
+
+def test_a_progress_line_names_the_calibrated_epsilon_then_the_other_finite_ones():
+    from fedlora.config import load_config
+    from fedlora.experiment import format_progress
+
+    row = {"round": 3, "accuracy": 0.5, "seconds": 1.0, "epsilon": 8.0, "observer": "model",
+           "threat_model": "known-sketch, noise in client shares under secure aggregation; against observers of the "
+                           "model (sample hidden)", "epsilon_by_observer": {"model": 8.0, "server": 18.5}}
+    line = format_progress(row, load_config(None))
+    assert "epsilon 8.000 (known-sketch, noise in client shares under secure aggregation; against observers of the " \
+           "model (sample hidden)), 18.500 against the server (sample known)  1.0 s" in line
+    server = {**row, "epsilon_by_observer": {"model": 8.0, "server": float("inf")}}
+    assert "against the server" not in format_progress(server, load_config(None))  # noise the server adds

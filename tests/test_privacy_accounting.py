@@ -393,3 +393,14 @@ def test_every_label_names_its_observer():
         for observer, report in reports.items():
             assert report.threat_model.endswith(OBSERVER_LABELS[observer]) and report.observer == observer
         assert set(ledger.history[-1]["epsilons"]) == set(reports)
+
+
+def test_the_other_observers_are_the_finite_epsilons_besides_the_calibrated_one():
+    from fedlora.privacy.events import OBSERVER_LABELS, Observer, other_observers
+
+    secagg = {"model": 8.0, "server": 18.5, "one-reply": 830.0}
+    assert other_observers(secagg, "model") == [(18.5, OBSERVER_LABELS[Observer.SERVER]),
+                                                (830.0, OBSERVER_LABELS[Observer.ONE_REPLY])]
+    assert other_observers(secagg, Observer.SERVER) == [(8.0, OBSERVER_LABELS[Observer.MODEL]),
+                                                        (830.0, OBSERVER_LABELS[Observer.ONE_REPLY])]
+    assert other_observers({"model": 8.0, "server": math.inf}, "model") == []  # noise added by the server

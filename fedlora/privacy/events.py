@@ -6,6 +6,7 @@ mechanism cannot forget its privacy cost. Noise multipliers are relative to the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -29,6 +30,14 @@ OBSERVER_LABELS = {
     Observer.SERVER: "against the server (sample known)",
     Observer.ONE_REPLY: "against a server that breaks SecAgg+ (one reply alone, sample known)",
 }
+
+
+def other_observers(epsilon_by_observer: dict[str, float], calibrated: Observer | str | None
+                    ) -> list[tuple[float, str]]:
+    """The finite epsilons, with their labels, against the observers besides the one a run was calibrated for (an
+    infinite one, e.g. the server placement's against the server, is left to the placement's name)."""
+    return [(value, OBSERVER_LABELS[Observer(observer)]) for observer, value in epsilon_by_observer.items()
+            if observer != calibrated and math.isfinite(value)]
 
 
 def observers(placement: str) -> tuple[Observer, ...]:
