@@ -38,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess, save_figure
@@ -196,8 +197,16 @@ def main() -> None:
     with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=_set_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(_run_one, run["key"], run["config"], args.run_dirs): run for run in todo}
+        failed = []
         for i, future in enumerate(concurrent.futures.as_completed(futures)):
-            key, result = future.result()
+            try:
+                key, result = future.result()
+            except Exception as error:  # the other runs go on and are saved: one run's failure loses only itself
+                failed.append(futures[future]["key"])
+                traceback.print_exception(error, file=sys.stderr)
+                print(f"== [{i + 1}/{len(todo)}] {failed[-1]}: failed: {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}", flush=True)
+                continue
             # Re-read first: another benchmark (or a run on another machine merged in) may have saved meanwhile.
             done = {**(json.loads(store.read_text()) if store.is_file() else {}), key: result}
             RESULTS.mkdir(exist_ok=True)
@@ -205,6 +214,10 @@ def main() -> None:
             print(f"== [{i + 1}/{len(todo)}] {key}: accuracy {result['accuracy'][-1]:.3f} "
                   f"({result['seconds']:.0f} s)", flush=True)
     write_results(finished(done, args.min_replies, args.config), done, args.config)
+    if failed:
+        print(f"privacy_utility: {len(failed)} of {len(todo)} runs failed ({', '.join(failed)}); the others are "
+              f"saved: run the same command again to retry them", file=sys.stderr)
+        sys.exit(1)
 
 
 def _set_threads(threads: int) -> None:

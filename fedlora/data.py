@@ -195,6 +195,7 @@ def _torchvision_fashion_mnist(split: str, cache_dir: str | os.PathLike[str] | N
     unpacked once into a cache folder (the gzipped originals stay where the package put them)."""
     import gzip
     import shutil
+    import tempfile
 
     from torchvision.datasets import FashionMNIST
 
@@ -206,12 +207,20 @@ def _torchvision_fashion_mnist(split: str, cache_dir: str | os.PathLike[str] | N
         target = raw / name
         if target.is_file():
             continue
-        partial = target.with_suffix(".partial")  # another process may be unpacking the same file
-        if (source / name).is_file():
-            shutil.copyfile(source / name, partial)
-        else:
-            with gzip.open(source / f"{name}.gz", "rb") as packed, partial.open("wb") as out:
-                shutil.copyfileobj(packed, out)
+        # Another process (a run's other workers, on a fresh machine) may be unpacking the same file: each writes
+        # its own partial file and renames it into place, atomically (the same bytes, whoever is last).
+        with tempfile.NamedTemporaryFile(dir=raw, prefix=f"{name}.", suffix=".partial", delete=False) as out:
+            partial = Path(out.name)
+            try:
+                if (source / name).is_file():
+                    with (source / name).open("rb") as unpacked:
+                        shutil.copyfileobj(unpacked, out)
+                else:
+                    with gzip.open(source / f"{name}.gz", "rb") as packed:
+                        shutil.copyfileobj(packed, out)
+            except BaseException:
+                partial.unlink()
+                raise
         partial.replace(target)
     data = FashionMNIST(str(root), train=split == "train", download=False)
     return data.data.numpy().astype(np.uint8), data.targets.numpy().astype(np.int64)

@@ -149,6 +149,39 @@ def test_the_tables_show_every_finished_run_whichever_runs_an_invocation_chose(m
         "--seeds.\n")
 
 
+def test_a_frontier_run_that_fails_loses_only_itself(tmp_path, monkeypatch, capsys):
+    """Two runs at a time: when one fails (as one did when two workers unpacked the data at once), the other's result
+    is still saved, and the benchmark ends non-zero naming the failed run."""
+    import concurrent.futures
+
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+
+    def run_one(key, config, run_dirs):
+        if config.seed == 1:
+            raise FileNotFoundError("no such file: t10k-images-idx3-ubyte.partial")
+        return key, {"accuracy": [None] * 29 + [0.8], "epsilon": 8.0, "noise_multiplier": 1.4, "seconds": 1.0,
+                     "threat_model": "known-sketch, noise at the server", "bytes_up": [1024] * 30}
+
+    monkeypatch.setattr(frontier, "_run_one", run_one)  # in threads here: the workers are spawned processes
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor",
+                        lambda workers, **_: concurrent.futures.ThreadPoolExecutor(workers))
+    monkeypatch.setattr("sys.argv", ["privacy_utility", "--config", "fashion_mnist", "--parts", "frontier",
+                                     "--strategies", "gm-ffa-lora", "--placements", "server", "--epsilons", "8",
+                                     "--workers", "2"])
+    with pytest.raises(SystemExit) as exit_:
+        frontier.main()
+    assert exit_.value.code == 1
+    assert list(json.loads((tmp_path / "privacy_utility_fashion_mnist.json").read_text())) == \
+        ["frontier|gm-ffa-lora|server|8.0|50|0"]
+    printed = capsys.readouterr()
+    assert "frontier|gm-ffa-lora|server|8.0|50|1: failed: FileNotFoundError: no such file" in printed.out
+    assert "1 of 2 runs failed (frontier|gm-ffa-lora|server|8.0|50|1)" in printed.err
+
+
 def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_path, monkeypatch):
     """Re-running some strategies replaces their runs in compare_<preset>_runs.json and keeps the other
     strategies' rows, the header naming them and their commit."""

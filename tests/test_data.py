@@ -425,6 +425,33 @@ def test_fashion_mnist_is_read_from_idx_files_by_torchvision_into_the_common_sch
     assert batch["pixel_values"].shape == (2, 3, 32, 32)
 
 
+def test_fashion_mnist_is_unpacked_safely_while_another_process_unpacks_the_same_files(monkeypatch, tmp_path):
+    """A run's workers on a fresh machine unpack the IDX files at once: none may take another's partial file."""
+    import shutil
+
+    from fedlora.data import FASHION_MNIST_DIR_ENV, _torchvision_fashion_mnist
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "idx"
+    folder.mkdir()
+    test = rng.integers(0, 256, (5, 28, 28), dtype=np.uint8), np.array([9, 0, 3, 3, 1])
+    _write_idx(folder, *test, "t10k")
+    _write_idx(folder, rng.integers(0, 256, (4, 28, 28), dtype=np.uint8), np.arange(4), "train")
+    monkeypatch.setenv(FASHION_MNIST_DIR_ENV, str(folder))
+    copy, raced = shutil.copyfileobj, []
+
+    def racing_copy(source, out, *args):
+        if not raced:  # the other process starts on the same file, and finishes every file, meanwhile
+            raced.append(True)
+            _torchvision_fashion_mnist("test", tmp_path / "cache")
+        return copy(source, out, *args)
+
+    monkeypatch.setattr(shutil, "copyfileobj", racing_copy)
+    images, labels = _torchvision_fashion_mnist("test", tmp_path / "cache")
+    assert raced and (images == test[0]).all() and labels.tolist() == test[1].tolist()
+    assert not list((tmp_path / "cache").rglob("*.partial"))
+
+
 def test_fashion_mnist_from_the_hub_schema(monkeypatch, tmp_path):
     """Without the IDX files, the hub's zalando-datasets/fashion_mnist (columns image, label) in the same schema."""
     import fedlora.data as data_module
