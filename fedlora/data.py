@@ -683,8 +683,3 @@ def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,
     "labels": int64} per index and batches of them per list of indices (``DeviceImages``)."""
     return DeviceImages(dataset, image_size, train=train, mean=mean, std=std, label_column=label_column,
                         device=device)
-
-
-def collate(batch: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """DataLoader collate_fn for ``to_torch`` datasets: {"pixel_values": (B, 3, S, S), "labels": (B,)}."""
-    return {key: torch.stack([example[key] for example in batch]) for key in ("pixel_values", "labels")}

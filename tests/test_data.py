@@ -22,7 +22,6 @@ from fedlora.data import (
     IMAGE_COLUMN,
     LABEL_COLUMN,
     DatasetUnavailableError,
-    collate,
     image_transform,
     load_cifar100,
     load_image_dir,
@@ -222,10 +221,9 @@ def test_to_torch_yields_float_images_and_int64_labels(splits, image_size):
     assert int(example["labels"]) == train[0][LABEL_COLUMN]
 
 
-def test_collate_batches_through_a_dataloader(splits):
+def test_a_list_of_indices_gives_a_batch(splits):
     train, _ = splits
-    loader = torch.utils.data.DataLoader(to_torch(train, 224), batch_size=4, collate_fn=collate)
-    batch = next(iter(loader))
+    batch = to_torch(train, 224)[[0, 1, 2, 3]]
     assert batch["pixel_values"].shape == (4, 3, 224, 224)
     assert batch["pixel_values"].dtype == torch.float32
     assert batch["labels"].shape == (4,)
@@ -357,7 +355,7 @@ def test_image_dir_reads_an_image_folder_by_class_name_or_index(tmp_path):
             Image.new("RGB", (40, 24), (i, 0, 0)).save(tmp_path / folder / f"{i}.png")
     ds = load_image_dir(tmp_path, num_classes=100)
     assert sorted(ds[LABEL_COLUMN]) == [0, 0, 99]
-    batch = collate([to_torch(ds, 32)[i] for i in range(3)])
+    batch = to_torch(ds, 32)[[0, 1, 2]]
     assert batch["pixel_values"].shape == (3, 3, 32, 32)  # any size is resized
     indexed = tmp_path / "indexed"
     (indexed / "7").mkdir(parents=True)
