@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import shutil
 import socket
@@ -252,8 +253,37 @@ def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list
     done = saved.rounds_done if saved else 0
     why = f" ({saved.reason})" if saved and saved.reason else ""
     hint = f"; resume it with `fedlora {'run' if saved.simulated else 'deploy'} --resume {out_dir}`" if saved else ""
+    if not why and (error := last_error(out_dir / "flower.log")):
+        why = f" ({error})"
     raise LaunchError(f"The federation stopped after {done} of {config.num_rounds} rounds{why}; see "
                       f"{out_dir / 'flower.log'}{hint}.")
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt|Exit): ")  # a traceback's last line
+
+
+def last_error(log: Path, limit: int = 200) -> str | None:
+    """Why a run that left no checkpoint stopped, from its Flower log, in a line of at most ``limit`` characters:
+    the last exception raised, else the last error box of Flower's CLI, else its last ERROR record."""
+    if not log.is_file():
+        return None
+    lines = [ANSI.sub("", line).strip() for line in log.read_text(errors="replace").splitlines()]
+    box, found = None, None  # the error box being read, and the last one read
+    for line in lines:
+        if line.startswith("╭─ Error"):
+            box = []
+        elif line.startswith("│") and box is not None:
+            box.append(line.strip("│ "))
+        elif line.startswith("╰") and box is not None:
+            found, box = " ".join(part for part in box if part), None
+    candidates = ([line for line in lines if EXCEPTION_LINE.match(line)] or ([found] if found else [])
+                  or [line.split(":", 1)[1].strip() for line in lines
+                      if line.startswith("ERROR") and ":" in line and "Exit Code" not in line])
+    if not candidates:
+        return None
+    error = " ".join(candidates[-1].split())
+    return error if len(error) <= limit else error[:limit - 3] + "..."
 
 
 @contextmanager

@@ -14,7 +14,7 @@ import torch
 from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.cli import main
 from fedlora.config import RunConfig
-from fedlora.launch import record_fixed_cost, run_simulation
+from fedlora.launch import LaunchError, last_error, record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
 from tests.helpers import leftover_flower_processes
@@ -224,3 +224,34 @@ def test_the_fixed_cost_is_this_launch_s(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fixed_seconds"] == fixed
     assert record_fixed_cost(tmp_path, rows[:2], began=2000.0) is None  # a launch that ran no round
 
+
+
+FLOWER_LOGS = {  # the three ways Flower's processes report a failure, as they print them (colours included)
+    "traceback": ("\x1b[91mERROR \x1b[0m:     Simulation raised an exception\nTraceback (most recent call last):\n"
+                  '  File "crash.py", line 5, in main\nRuntimeError: boom: no test data\n'
+                  "\x1b[91mERROR \x1b[0m:     Exit Code: 700\n", "RuntimeError: boom: no test data"),
+    "box": ("INFO :      \u251c\u2500\u2500 a strategy line\n\u256d\u2500 Error \u2500\u2500\u256e\n"
+            "\u2502 Invalid Flower App configuration:   \u2502\n\u2502 - Unable to load module x \u2502\n"
+            "\u2502                   \u2502\n\u2570\u2500\u2500\u2500\u256f\n",
+            "Invalid Flower App configuration: - Unable to load module x"),
+    "record": ("\x1b[91mERROR \x1b[0m:     ClientApp raised an exception\n\x1b[91mERROR \x1b[0m:     Exit Code: 700\n",
+               "ClientApp raised an exception"),
+    "none": ("INFO :      [ROUND 1/1]\n", None),
+}
+
+
+@pytest.mark.parametrize("form", FLOWER_LOGS)
+def test_the_last_error_of_a_flower_log_is_the_one_that_says_why(tmp_path, form):
+    text, expected = FLOWER_LOGS[form]
+    (tmp_path / "flower.log").write_text(text)
+    assert last_error(tmp_path / "flower.log") == expected
+    (tmp_path / "flower.log").write_text(text.replace("boom", "boom" * 100))
+    assert len(last_error(tmp_path / "flower.log") or "") <= 200
+
+
+def test_a_run_that_stops_before_its_first_round_says_why_in_its_one_line(tmp_path):
+    config = RunConfig.from_mapping(dict(s.split("=") for s in [*TINY, "num-rounds=1"]))
+    with pytest.raises(LaunchError, match=r"stopped after 0 of 1 rounds \(Invalid Flower App .*Unable to load module "
+                                          r"fedlora\.clients\.missing"):
+        run_simulation(config, tmp_path / "run", echo=lambda line: None, client_app="fedlora.clients.missing:app")
+    assert not leftover_flower_processes()
