@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import os
+import re
 import shutil
 import socket
 import subprocess

@@ -225,7 +225,6 @@ def test_the_fixed_cost_is_this_launch_s(tmp_path):
     assert record_fixed_cost(tmp_path, rows[:2], began=2000.0) is None  # a launch that ran no round
 
 
-
 FLOWER_LOGS = {  # the three ways Flower's processes report a failure, as they print them (colours included)
     "traceback": ("\x1b[91mERROR \x1b[0m:     Simulation raised an exception\nTraceback (most recent call last):\n"
                   '  File "crash.py", line 5, in main\nRuntimeError: boom: no test data\n'
