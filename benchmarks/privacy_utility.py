@@ -352,6 +352,28 @@ def _machines(groups: dict[tuple, list[dict]]) -> str:
 REACH = {None: (0.3, 0.5, 0.7), "fashion_mnist": (0.7, 0.8, 0.83)}
 
 
+NOISE = {"server": "at the server", "secagg": "in shares under SecAgg+", "client": "at each client", "-": "none"}
+
+
+def _at_a_glance(rows: list[dict]) -> list[str]:
+    """The frontier as one table to look at: a row per strategy and noise placement, a column per epsilon, each cell
+    the final accuracy's mean over the seeds and how many (the full table below gives the spread and the threat
+    models)."""
+    frontier = [r for r in rows if r["part"] == "frontier"]
+    epsilons = sorted({r["epsilon"] for r in frontier}, key=float)
+    cells = {(r["strategy"], r["placement"], r["epsilon"]): f"{round(r['accuracy'], 9):.3f} ({r['seeds']})"
+             for r in frontier}
+    order = [*PRIVATE, *REFERENCE.values()]
+    lines = ["| strategy | noise | " + " | ".join("not private" if e == "inf" else f"epsilon {e}" for e in epsilons)
+             + " |",
+             "|---|---|" + "---:|" * len(epsilons)]
+    for strategy, placement in sorted({(s, p) for s, p, _ in cells},
+                                      key=lambda sp: (order.index(sp[0]), list(NOISE).index(sp[1]))):
+        lines.append(f"| {strategy} | {NOISE[placement]} | "
+                     + " | ".join(cells.get((strategy, placement, e), "") for e in epsilons) + " |")
+    return lines
+
+
 def write_results(runs: list[dict], done: dict, preset: str | None = None) -> None:
     reach = REACH.get(preset, REACH[None])
     groups: dict[tuple, list[dict]] = {}
@@ -415,6 +437,10 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"reaches it (first seed). Last {LATE} evaluations: each run's mean accuracy at rounds "
              f"{', '.join(map(str, late_rounds.get(config.num_rounds, [])))}, the steadier reading where a private "
              "model moves from one evaluation to the next (mean ± half the range over the seeds).", "",
+             "## At a glance", "",
+             "Final test accuracy, mean over the seeds (how many in brackets); noise: where it is added, each "
+             "epsilon against observers of the model (the table below names every threat model).", "",
+             *_at_a_glance(rows), "",
              "## Accuracy against epsilon", "",
              f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",

@@ -78,6 +78,8 @@ def test_a_secure_aggregation_row_names_its_epsilon_against_the_server_as_the_ru
     assert ("under secure aggregation; against observers of the model (sample hidden); 18.5 against the server "
             "(sample known); 830 against a server that breaks SecAgg+ (one reply alone, sample known)) |") in table
     assert "noise at the server; against observers of the model (sample hidden)) |" in table
+    # at a glance: a row per placement, the epsilon its column
+    assert "| gm-ffa-lora | at the server | 0.800 (1) |\n| gm-ffa-lora | in shares under SecAgg+ | 0.800 (1) |" in table
 
 
 def test_the_frontier_table_rounds_once_and_names_the_command_behind_every_row(tmp_path, monkeypatch):
