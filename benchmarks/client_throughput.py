@@ -45,8 +45,8 @@ def host_images(dataset, image_size: int):
 
 
 def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
-    """The preset's client on this machine's device: its config, device, image size, and a function that trains
-    one group of ``batch`` clients through the product's path (as release ``release``)."""
+    """The preset's client on this machine's device: its config, device, image size, model, and a function that
+    trains one group of ``batch`` clients through the product's path (as release ``release``)."""
     import torch
 
     from fedlora.config import load_config
@@ -73,14 +73,45 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
         protocol.local_rounds(net, base, data, state, round_=1, release=release, partition_ids=list(range(batch)),
                               noises=[protocol.simulation_noise(release, p) for p in range(batch)])
 
-    return config, device, size, group
+    return config, device, size, net, group
+
+
+def model_alone(net, config, device, size: int, clients: int, steps: int = 3) -> float:
+    """Seconds of one local step of the model alone for a group of ``clients``: the forward and backward of their
+    clients x batch random images through the same stacked trainable linears at the same precision, with no data,
+    optimizer step, clipping or sketching; what the product's path would reach if it added nothing."""
+    import torch
+    import torch.nn.functional as F
+
+    from fedlora.models import logits
+    from fedlora.training import autocast, compute_dtype, stacked_linears
+
+    images = torch.randn(clients * config.batch_size, 3, size, size, device=device)
+    labels = torch.randint(config.classes, (len(images),), device=device)
+    dtype = compute_dtype(config.precision, device)
+    net.train()
+    with stacked_linears(net, clients):
+        def step() -> None:
+            with autocast(device, dtype):
+                out = logits(net, images)
+            F.cross_entropy(out.float(), labels).backward()
+
+        step()  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) / steps
 
 
 def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str) -> dict:
     """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
     import torch
 
-    config, device, size, group = _setup(preset, model, batch, threads, path)
+    config, device, size, _, group = _setup(preset, model, batch, threads, path)
     groups = -(-clients // batch)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch,
@@ -110,12 +141,14 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
 
 def profile(preset: str, model: str | None, batch: int, threads: int, top: int = 30) -> str:
     """torch.profiler over one group of ``batch`` clients after a warm-up group: where the time goes, by operator
-    (self time on the device where there is one, on the CPU otherwise), and how busy the device was. Returns the
+    (self time on the device where there is one, on the CPU otherwise), and how busy the device was; then the
+    group without the profiler against the model alone (``model_alone``). Returns the
     Markdown it writes to benchmarks/results/client_profile_<device>_m<M>.md."""
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
-    config, device, size, group = _setup(preset, model, batch, threads, "device")
+    config, device, size, net, group = _setup(preset, model, batch, threads, "device")
     group(0)
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -127,14 +160,24 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
         if cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - started
+    started = time.perf_counter()
+    group(2)  # the same without the profiler, against the model alone
+    if cuda:
+        torch.cuda.synchronize()
+    plain = time.perf_counter() - started
+    alone = model_alone(net, config, device, size, batch) * config.local_steps
 
     def self_time(e) -> float:  # microseconds
         if cuda:
             return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0.0)
         return e.self_cpu_time_total
 
-    events = sorted(prof.key_averages(), key=self_time, reverse=True)
-    busy = sum(self_time(e) for e in events) / 1e6
+    # On a GPU each kernel is listed twice, as itself and in the self device time of the operator that launched
+    # it: the operators are ranked, the kernels summed for the busy time.
+    averages = prof.key_averages()
+    events = sorted((e for e in averages if e.device_type == DeviceType.CPU), key=self_time, reverse=True)
+    kernels = [e for e in averages if e.device_type != DeviceType.CPU] if cuda else events
+    busy = sum(self_time(e) for e in kernels) / 1e6
     where = "device (kernels)" if cuda else "CPU"
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     images = batch * config.local_steps * config.batch_size
@@ -145,6 +188,10 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
              f"{wall:.3f} s of wall clock ({images / wall:.0f} images/s with the profiler's overhead); the {where} "
              f"busy {busy:.3f} s of it ({100 * busy / wall:.0f}%)" + (", the rest waiting for the host (launches, "
              "Python, copies)." if cuda else "."), "",
+             f"Without the profiler the group takes {plain:.3f} s ({images / plain:.0f} images/s); the model alone "
+             f"(its K forwards and backwards of the group's {batch * config.batch_size} images a step, random "
+             f"inputs, no data, optimizer, clipping or sketching) {alone:.3f} s ({images / alone:.0f} images/s): the "
+             f"path reaches {100 * alone / plain:.0f}% of the model's speed.", "",
              f"| operator | calls | self {where} ms | share of busy |", "|---|---:|---:|---:|"]
     for e in events[:top]:
         lines.append(f"| `{e.key}` | {e.count} | {self_time(e) / 1e3:.1f} | {100 * self_time(e) / 1e6 / busy:.1f}% |")

@@ -3,6 +3,7 @@
 import csv
 import json
 import math
+import re
 
 import pytest
 
@@ -244,6 +245,11 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     shares = [float(line.rsplit("|", 2)[1].strip().rstrip("%")) for line in rows]
     assert len(rows) == 5 and shares == sorted(shares, reverse=True) and 20 < sum(shares) <= 100.5
     assert any("mm" in line for line in rows[:2])  # the tiny ViT's matrix products lead on a CPU
+    reach = re.search(r"takes ([\d.]+) s \((\d+) images/s\); the model alone .* ([\d.]+) s \((\d+) images/s\): "
+                      r"the path reaches (\d+)% of the model's speed", text)
+    path_s, path_rate, alone_s, alone_rate, share = map(float, reach.groups())
+    assert 0 < alone_s and 0 < path_s and 0 < share <= 150  # on a CPU the model is most of the path (~90%)
+    assert round(100 * alone_s / path_s) == share and path_rate * path_s == pytest.approx(alone_rate * alone_s, rel=0.02)
 
 
 @pytest.mark.parametrize("steps", ["600,300", "0", "x", "600,600"])
