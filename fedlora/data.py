@@ -664,7 +664,7 @@ class DeviceImages:
         queued before it, so each batch drawn would wait for the step before it to finish and the GPU would idle
         while the host prepares the next (on an H200 its profile showed it busy 79% of a group); from pinned memory
         the copy is queued like a kernel."""
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or values.device.type != "cpu":
             return values.to(self.device)
         return values.pin_memory().to(self.device, non_blocking=True)
 
