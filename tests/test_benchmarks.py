@@ -248,8 +248,10 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     reach = re.search(r"takes ([\d.]+) s \((\d+) images/s\); the model alone .* ([\d.]+) s \((\d+) images/s\): "
                       r"the path reaches (\d+)% of the model's speed", text)
     path_s, path_rate, alone_s, alone_rate, share = map(float, reach.groups())
-    assert 0 < alone_s and 0 < path_s and 0 < share <= 150  # on a CPU the model is most of the path (~90%)
-    assert round(100 * alone_s / path_s) == share and path_rate * path_s == pytest.approx(alone_rate * alone_s, rel=0.02)
+    assert 0 < alone_s and 0 < path_s and 0 < share  # no bound on the ratio: two timings on a shared machine
+    assert abs(100 * alone_s / path_s - share) <= 1  # the printed seconds are rounded
+    # the same images both ways, up to the printed rounding (rates to 1, seconds to 0.001)
+    assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
 
 
 @pytest.mark.parametrize("steps", ["600,300", "0", "x", "600,600"])
