@@ -76,16 +76,25 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     return config, device, size, net, group
 
 
-def model_alone(net, config, device, size: int, clients: int, steps: int = 3) -> float:
+def model_alone(net, config, device, size: int, clients: int, steps: int = 3, frozen_dtype=None) -> float:
     """Seconds of one local step of the model alone for a group of ``clients``: the forward and backward of their
     clients x batch random images through the same stacked trainable linears at the same precision, with no data,
-    optimizer step, clipping or sketching; what the product's path would reach if it added nothing."""
+    optimizer step, clipping or sketching; what the product's path would reach if it added nothing.
+    ``frozen_dtype``: a copy of the model with every frozen parameter stored in it (bf16: no per-operation casts
+    of the backbone's weights, a bf16 residual stream), to measure that before the product does it."""
+    import copy
+
     import torch
     import torch.nn.functional as F
 
     from fedlora.models import logits
     from fedlora.training import autocast, compute_dtype, stacked_linears
 
+    if frozen_dtype is not None:
+        net = copy.deepcopy(net)
+        for p in net.parameters():
+            if not p.requires_grad:
+                p.data = p.data.to(frozen_dtype)
     images = torch.randn(clients * config.batch_size, 3, size, size, device=device)
     labels = torch.randint(config.classes, (len(images),), device=device)
     dtype = compute_dtype(config.precision, device)
@@ -148,6 +157,8 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
+    from fedlora.training import compute_dtype
+
     config, device, size, net, group = _setup(preset, model, batch, threads, "device")
     group(0)
     cuda = device.type == "cuda"
@@ -166,6 +177,9 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
         torch.cuda.synchronize()
     plain = time.perf_counter() - started
     alone = model_alone(net, config, device, size, batch) * config.local_steps
+    bf16 = compute_dtype(config.precision, device) == torch.bfloat16
+    stored = (model_alone(net, config, device, size, batch, frozen_dtype=torch.bfloat16) * config.local_steps
+              if bf16 else None)
 
     def self_time(e) -> float:  # microseconds
         if cuda:
@@ -191,7 +205,10 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
              f"Without the profiler the group takes {plain:.3f} s ({images / plain:.0f} images/s); the model alone "
              f"(its K forwards and backwards of the group's {batch * config.batch_size} images a step, random "
              f"inputs, no data, optimizer, clipping or sketching) {alone:.3f} s ({images / alone:.0f} images/s): the "
-             f"path reaches {100 * alone / plain:.0f}% of the model's speed.", "",
+             f"path reaches {100 * alone / plain:.0f}% of the model's speed." + (
+                 f" The model alone with its frozen parameters stored in bf16 (no casts of the backbone's weights, a "
+                 f"bf16 residual stream; not yet the product's): {stored:.3f} s ({images / stored:.0f} images/s)."
+                 if stored else ""), "",
              f"| operator | calls | self {where} ms | share of busy |", "|---|---:|---:|---:|"]
     for e in events[:top]:
         lines.append(f"| `{e.key}` | {e.count} | {self_time(e) / 1e3:.1f} | {100 * self_time(e) / 1e6 / busy:.1f}% |")

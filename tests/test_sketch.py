@@ -47,6 +47,23 @@ def test_sketch_shapes_and_sides():
     assert NoSketch().sketch(b, key=key, name="l.lora_B") is b
 
 
+@pytest.mark.parametrize("name, shape", [("w.lora_B", (768, 4)), ("w.lora_A", (4, 768))])
+def test_matrix_sketch_is_the_papers_product_whatever_order_computes_it(name, shape):
+    """R B and R^T S for B, A R_A^T and S R_A for A (paper Def. 2.4), contiguous, though B's are computed
+    transposed (sketch._thin)."""
+    key, side = SketchKey(3, 1), side_of(name)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    r = gaussian_matrix(150, 768, std=150 ** -0.5, key=key, name=name, side=side).double()
+    s = MatrixSketch(150).sketch(x, key=key, name=name)
+    expected = r @ x.double() if side is Side.LEFT else x.double() @ r.T
+    assert s.is_contiguous() and s.dtype == torch.float32
+    assert torch.allclose(s.double(), expected, rtol=1e-5, atol=1e-5)
+    back = MatrixSketch(150).desketch(s, key=key, name=name, shape=shape)
+    assert back.is_contiguous() and back.shape == shape
+    assert torch.allclose(back.double(), r.T @ s.double() if side is Side.LEFT else s.double() @ r, rtol=1e-5,
+                          atol=1e-5)
+
+
 def test_same_seed_same_sketch_on_every_client_and_process():
     key, x = SketchKey(42, 3), torch.arange(60.0).reshape(20, 3)
     first = MatrixSketch(5).sketch(x, key=key, name="layer.lora_B")
@@ -61,7 +78,7 @@ def test_same_seed_same_sketch_on_every_client_and_process():
     assert not torch.equal(first, MatrixSketch(5).sketch(x, key=key, name="other.lora_B"))  # layer
 
 
-def test_a_round_s_sketches_are_drawn_once_per_process_and_handed_out_as_copies(monkeypatch):
+def test_a_round_s_sketches_are_drawn_once_per_process_and_shared(monkeypatch):
     drawn = []
     original = sketch_module.seeded_normal
     monkeypatch.setattr(sketch_module, "seeded_normal", lambda *a, **kw: drawn.append(a) or original(*a, **kw))
@@ -69,7 +86,7 @@ def test_a_round_s_sketches_are_drawn_once_per_process_and_handed_out_as_copies(
     monkeypatch.setattr(sketch_module, "_sketches_bytes", 0)
     key = SketchKey(7, 1)
     first = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
-    first.zero_()  # the caller's copy
+    assert gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT).data_ptr() == first.data_ptr()
     again = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT, dtype=torch.float64)
     assert len(drawn) == 1 and again.dtype == torch.float64
     assert torch.equal(again.float(), original(4, 6, std=0.5, seed_parts=("sketch", 7, 1, "l.lora_B", Side.LEFT.value, 0)))
