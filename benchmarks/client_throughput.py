@@ -1,7 +1,8 @@
 """Client training speed against client-batch: the clients of a message trained one at a time (M = 1) or M at a
 time in one forward and backward per local step (fedlora.training.local_train_clients), through the product's
-own path (Protocol.local_rounds: load the global state, K local steps, clip, sketch, noise), with the data decoded
-once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto: bf16 on a GPU).
+own path (Protocol.train_clients, then release_clients on a thread of the host while the next group trains, as a
+message's groups are: load the global state, K local steps, clip, sketch, noise), with the data decoded once onto
+the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto: bf16 on a GPU).
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
@@ -52,7 +53,7 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     from fedlora.config import load_config
     from fedlora.data import make_synthetic_cifar, to_torch
     from fedlora.experiment import noise_for
-    from fedlora.federation import Protocol
+    from fedlora.federation import Protocol, TrainedClients, overlapped
     from fedlora.lora import get_adapters
     from fedlora.models import model_spec
     from fedlora.training import select_device
@@ -69,11 +70,24 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
     data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
 
-    def group(release: int) -> None:
-        protocol.local_rounds(net, base, data, state, round_=1, release=release, partition_ids=list(range(batch)),
-                              noises=[protocol.simulation_noise(release, p) for p in range(batch)])
+    def groups(releases: list[int]) -> None:
+        """One group of the clients per release, trained and released as a message's groups are (``overlapped``:
+        each group's release on the host while the next group trains); the path before, one after the other."""
+        def train(release: int) -> TrainedClients:
+            return protocol.train_clients(net, base, data, state, round_=1, release=release,
+                                          partition_ids=list(range(batch)))
 
-    return config, device, size, net, group
+        def privatize(release: int, trained: TrainedClients) -> None:
+            protocol.release_clients(trained, round_=1, release=release,
+                                     noises=[protocol.simulation_noise(release, p) for p in range(batch)])
+
+        if path == "host":
+            for release in releases:
+                privatize(release, train(release))
+        else:
+            overlapped(releases, train, privatize)
+
+    return config, device, size, net, groups
 
 
 def model_alone(net, config, device, size: int, clients: int, steps: int = 3, frozen_dtype=None) -> float:
@@ -120,22 +134,21 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
     import torch
 
-    config, device, size, _, group = _setup(preset, model, batch, threads, path)
+    config, device, size, _, run_groups = _setup(preset, model, batch, threads, path)
     groups = -(-clients // batch)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch,
            "threads": threads, "path": path, "precision": config.precision, "local-steps": config.local_steps,
            "batch-size": config.batch_size, "rank": config.rank, "machine": machine()}
     try:
-        group(0)  # warm-up: allocations, kernels
+        run_groups([0])  # warm-up: allocations, kernels
     except torch.OutOfMemoryError:
         return {**row, "images-per-second": None, "peak-memory-gib": None, "out-of-memory": True}
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
-    for g in range(groups):
-        group(g + 1)
+    run_groups(list(range(1, groups + 1)))
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - started
@@ -159,20 +172,20 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
 
     from fedlora.training import compute_dtype
 
-    config, device, size, net, group = _setup(preset, model, batch, threads, "device")
-    group(0)
+    config, device, size, net, run_groups = _setup(preset, model, batch, threads, "device")
+    run_groups([0])
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     if cuda:
         torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        group(1)
+        run_groups([1])
         if cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - started
     started = time.perf_counter()
-    group(2)  # the same without the profiler, against the model alone
+    run_groups([2])  # the same without the profiler, against the model alone
     if cuda:
         torch.cuda.synchronize()
     plain = time.perf_counter() - started

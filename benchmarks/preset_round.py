@@ -42,10 +42,10 @@ def main() -> None:
         sys.exit(2)
     print(machine(), f"client-batch {config.client_batch} (0: 16 on a GPU), precision {config.precision}", flush=True)
     started, trained = time.time(), [0]
-    local_rounds = Protocol.local_rounds
+    train_clients = Protocol.train_clients
 
     def counted(self, model, base, datasets, *a, **kw):
-        rounds = local_rounds(self, model, base, datasets, *a, **kw)
+        rounds = train_clients(self, model, base, datasets, *a, **kw)
         before, trained[0] = trained[0], trained[0] + len(datasets)
         if trained[0] // 100 > before // 100:
             memory = torch.cuda.max_memory_allocated() / 2 ** 30 if torch.cuda.is_available() else 0.0
@@ -53,7 +53,7 @@ def main() -> None:
                   flush=True)
         return rounds
 
-    Protocol.local_rounds = counted
+    Protocol.train_clients = counted
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_inprocess(config, Path(tmp) / "run", echo=lambda line: print(line, flush=True))
     for row in rows:

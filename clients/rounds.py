@@ -21,7 +21,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 
 from fedlora.config import RunConfig, load_split, run_config_of
 from fedlora.data import DeviceImages, load_image_dir, load_partition, make_partitioner, to_torch
-from fedlora.federation import ASSIGNED, PACKED, GlobalState, Protocol, num_bytes, packed_key
+from fedlora.federation import (ASSIGNED, PACKED, GlobalState, Protocol, TrainedClients, num_bytes, overlapped,
+                                packed_key)
 from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
 from fedlora.models import model_spec
@@ -125,14 +126,21 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
     if node.data_dir:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
-    records = {}
-    size = clients_at_once(config.client_batch, select_device())
-    for group in client_groups([int(p) for p in round_config[PACKED]], protocol, size):
+    size, where = clients_at_once(config.client_batch, select_device()), _ray_node()
+    groups = client_groups([int(p) for p in round_config[PACKED]], protocol, size)
+
+    def train(group: list[int]) -> TrainedClients:
         datasets = [_local_data(config, NodeSettings(p, config.num_clients)) for p in group]
-        for partition_id, one in zip(group, _client_rounds(msg, config, protocol, state, group, datasets,
-                                                           startup_seconds)):
+        return _train_clients(msg, config, protocol, state, group, datasets)
+
+    def release(group: list[int], trained: TrainedClients) -> list[tuple[dict, dict, float | None]]:
+        return _release_clients(msg, config, protocol, group, trained,
+                                startup_seconds if group is groups[0] else 0.0, where)
+
+    records = {}
+    for group, results in zip(groups, overlapped(groups, train, release)):
+        for partition_id, one in zip(group, results):
             records.update({packed_key(key, partition_id): record for key, record in client_records(*one).items()})
-        startup_seconds = 0.0
     return Message(RecordDict(records), reply_to=msg)
 
 
@@ -180,22 +188,32 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
 def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,
                   data, startup_seconds: float) -> tuple[dict, dict, float | None]:
     """One client's round: its release, telemetry and clip bit."""
-    return _client_rounds(msg, config, protocol, state, [partition_id], [data], startup_seconds)[0]
+    trained = _train_clients(msg, config, protocol, state, [partition_id], [data])
+    return _release_clients(msg, config, protocol, [partition_id], trained, startup_seconds, _ray_node())[0]
 
 
-def _client_rounds(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState,
-                   partition_ids: list[int], datasets: list, startup_seconds: float) -> list[tuple[dict, dict, float | None]]:
-    """The rounds of clients of one rank, trained together: each one's release, telemetry and clip bit."""
+def _train_clients(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState,
+                   partition_ids: list[int], datasets: list) -> TrainedClients:
+    """Clients of one rank trained together, their messages on the host."""
     model, base = _model(config, protocol.client_rank(partition_ids[0]))
     round_config = msg.content["config"]
-    round_, release = int(round_config["server-round"]), int(round_config["release"])
-    results = protocol.local_rounds(model, base, datasets, state, round_=round_, release=release,
-                                    partition_ids=partition_ids, clip_norm=round_clip_norm(msg),
-                                    noises=[round_noise(config, protocol, release, p) for p in partition_ids])
+    return protocol.train_clients(model, base, datasets, state, round_=int(round_config["server-round"]),
+                                  release=int(round_config["release"]), partition_ids=partition_ids)
+
+
+def _release_clients(msg: Message, config: RunConfig, protocol: Protocol, partition_ids: list[int],
+                     trained: TrainedClients, startup_seconds: float,
+                     where: dict[str, int]) -> list[tuple[dict, dict, float | None]]:
+    """Each trained client's release, telemetry and clip bit."""
+    round_config = msg.content["config"]
+    release = int(round_config["release"])
+    results = protocol.release_clients(trained, round_=int(round_config["server-round"]), release=release,
+                                       clip_norm=round_clip_norm(msg),
+                                       noises=[round_noise(config, protocol, release, p) for p in partition_ids])
     out = []
     for partition_id, result in zip(partition_ids, results):
         metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
-                   "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **_ray_node()}
+                   "privatize-seconds": result.privatize_seconds, "startup-seconds": startup_seconds, **where}
         if not protocol.algorithm.private:  # a private client's loss is a function of its data, and unprivatized
             metrics["train-loss"] = float(result.train_loss)
         out.append((result.release, metrics, result.clip_bit))

@@ -15,6 +15,7 @@ device, transformed there a batch at a time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import math
@@ -659,30 +660,61 @@ class DeviceImages:
     def nbytes(self) -> int:
         return self.images.nbytes + self.labels.nbytes
 
-    def _onto_device(self, values: torch.Tensor) -> torch.Tensor:
-        """Host values onto the device without waiting for it. A copy from pageable memory waits for every kernel
-        queued before it, so each batch drawn would wait for the step before it to finish and the GPU would idle
-        while the host prepares the next (an H200 idled about 30% of a group, waiting for the host); from pinned
-        memory the copy is queued like a kernel."""
-        if self.device.type != "cuda" or values.device.type != "cpu":
-            return values.to(self.device)
-        return values.pin_memory().to(self.device, non_blocking=True)
+    def draw(self, key: int | slice | Sequence[int]) -> Draw:
+        """The host's part of ``self[key]``: its rows and, in training, its mirrors (one draw of torch's global
+        generator per image, in batch order, as ``image_transform`` draws them)."""
+        rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)
+        return Draw(self, rows, torch.rand(len(rows)) < 0.5 if self.train else None)
 
     def __getitem__(self, key: int | slice | Sequence[int]) -> dict[str, torch.Tensor]:
-        from torchvision.transforms import v2
-
         if isinstance(key, (int, np.integer)):
             return {name: value[0] for name, value in self[[int(key)]].items()}
-        rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)
-        rows = self._onto_device(rows)
-        images = self._resized(self.images[rows])
-        if self.train:
-            mirrored = torch.tensor([bool(torch.rand(1) < 0.5) for _ in range(len(rows))], dtype=torch.bool)  # as
-            # image_transform draws them
-            images = torch.where(self._onto_device(mirrored)[:, None, None, None], images.flip(-1), images)
-        pixels = v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True),
-                                         mean=self.mean, std=self.std)
-        return {"pixel_values": pixels, "labels": self.labels[rows]}
+        return batch_of([self.draw(key)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Draw:
+    """A batch chosen from a DeviceImages (``DeviceImages.draw``), before the device's part of the work."""
+
+    images: DeviceImages
+    rows: torch.Tensor  # int64, on the host
+    mirrored: torch.Tensor | None  # bool, on the host; None: not a training draw
+
+
+def batch_of(draws: Sequence[Draw]) -> dict[str, torch.Tensor]:
+    """The batches of ``draws`` concatenated in order, {"pixel_values": float32 (B, 3, S, S), "labels": int64 (B,)}
+    on the device: each draw's stored images gathered, then resized, mirrored, scaled and normalized as one batch.
+    Several clients' draws of a local step take as many device operations as one client's (each its own would
+    launch them all again, and on a GPU each launch costs the host a few microseconds while the device waits)."""
+    from torchvision.transforms import v2
+
+    first = draws[0].images
+    if any((d.images.device, d.images.image_size, d.images.mean, d.images.std)
+           != (first.device, first.image_size, first.mean, first.std) for d in draws):
+        raise ValueError("Batches drawn together must come from images of one device, size and normalization.")
+    rows = _onto_device(torch.cat([d.rows for d in draws]), first.device).split([len(d.rows) for d in draws])
+    stored = [d.images.images[r] for d, r in zip(draws, rows)]
+    if len({tuple(s.shape[1:]) for s in stored}) == 1:  # one resize for all
+        images = first._resized(torch.cat(stored))
+    else:  # datasets stored at different sizes (mixed-size user data is stored at S)
+        images = torch.cat([first._resized(s) for s in stored])
+    if any(d.mirrored is not None for d in draws):
+        mirrored = torch.cat([d.mirrored if d.mirrored is not None else torch.zeros(len(d.rows), dtype=torch.bool)
+                              for d in draws])
+        images = torch.where(_onto_device(mirrored, first.device)[:, None, None, None], images.flip(-1), images)
+    pixels = v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True),
+                                     mean=first.mean, std=first.std)
+    return {"pixel_values": pixels, "labels": torch.cat([d.images.labels[r] for d, r in zip(draws, rows)])}
+
+
+def _onto_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host values onto ``device`` without waiting for it. A copy from pageable memory waits for every kernel queued
+    before it, so each batch drawn would wait for the step before it to finish and the GPU would idle while the host
+    prepares the next (an H200 idled about 30% of a group, waiting for the host); from pinned memory the copy is
+    queued like a kernel."""
+    if device.type != "cuda" or values.device.type != "cpu":
+        return values.to(device)
+    return values.pin_memory().to(device, non_blocking=True)
 
 
 def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,

@@ -23,8 +23,10 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -33,16 +35,17 @@ from torch import Tensor
 from fedlora.aggregation import mean_message, redistribute, sum_message, svd_of_mean_product, truncate
 from fedlora.algorithms import LoRAMode, get_algorithm, make_mechanism
 from fedlora.config import RunConfig
-from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, set_adapters, set_head,
-                          to_message)
+from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapters, get_head, message_parameters,
+                          set_adapters, set_head, to_message)
 from fedlora.clipping import QuantileClipping
 from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mechanism, message_norm
 from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, side_of
-from fedlora.training import local_train, local_train_clients
+from fedlora.training import local_train, local_train_clients, to_host
 
+T, R = TypeVar("T"), TypeVar("R")
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
 PROBE, LORA = "linear-probe", "lora"  # the phases of a run
 
@@ -72,6 +75,25 @@ class ClientRound:
     train_seconds: float  # loading the global state and K local steps
     privatize_seconds: float  # clip + sketch + noise
     clip_bit: float | None = None  # adaptive clipping: [norm <= clip norm], noised when the noise is the client's
+
+
+@dataclass(frozen=True)
+class TrainedClients:
+    """Clients of one group after their local training (``Protocol.train_clients``), before their release."""
+    messages: list[Message]  # each client's message, on the host
+    start: Message  # the message they started from, on the host
+    losses: list[float]  # each client's mean training loss
+    train_seconds: float  # loading the global state and K local steps: each client's share of the group's
+
+
+def overlapped(items: Sequence[T], train: Callable[[T], TrainedClients],
+               release: Callable[[T, TrainedClients], R]) -> list[R]:
+    """``release(item, train(item))`` for each item, in order, each release run by one thread of the host while the
+    next item trains: a group's release (clip, sketch, noise) is host work, and on a GPU the device would idle
+    through it. ``Protocol.release_clients`` needs nothing of the device or of the model being trained."""
+    with ThreadPoolExecutor(max_workers=1) as host:
+        released = [host.submit(release, item, train(item)) for item in items]
+        return [future.result() for future in released]
 
 
 class Protocol:
@@ -267,15 +289,24 @@ class Protocol:
     def local_rounds(self, model, base: dict[str, LoRAFactors], datasets: Sequence, state: GlobalState, *,
                      round_: int, partition_ids: Sequence[int], noises: Sequence[torch.Generator | None],
                      release: int | None = None, clip_norm: float | None = None) -> list[ClientRound]:
-        """The rounds of several clients of one rank, each what ``local_round`` gives it alone: trained together
-        (one forward and backward per local step, ``local_train_clients``) when there are several, then each
-        clipped and privatized with its own noise. Each client's train seconds are the shared time's share."""
+        """The rounds of several clients of one rank, each what ``local_round`` gives it alone: ``train_clients``,
+        then ``release_clients``."""
+        trained = self.train_clients(model, base, datasets, state, round_=round_, partition_ids=partition_ids,
+                                     release=release)
+        return self.release_clients(trained, round_=round_, noises=noises, release=release, clip_norm=clip_norm)
+
+    def train_clients(self, model, base: dict[str, LoRAFactors], datasets: Sequence, state: GlobalState, *,
+                      round_: int, partition_ids: Sequence[int], release: int | None = None) -> TrainedClients:
+        """The local training of several clients of one rank, from the global state: together (one forward and
+        backward per local step, ``local_train_clients``) when there are several. Their messages come back on
+        the host, so that releasing them (``release_clients``) needs nothing of the device or the model."""
         started = time.perf_counter()
         release = round_ if release is None else release
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
-        start = {n: t.detach().cpu().clone() for n, t in self.client_message(model, phase).items()}
+        start = self.client_message(model, phase)
+        start = dict(zip(start, to_host(start.values())))
         generators = [torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, p))
                       for p in partition_ids]
         # the training transform's random flips draw from torch's global generator: seeded per client round, or
@@ -286,25 +317,39 @@ class Protocol:
         if len(datasets) == 1:
             torch.manual_seed(augment[0])
             losses = [local_train(model, datasets[0], generator=generators[0], **train)]
-            trained = [None]  # the model holds it
+            message = self.client_message(model, phase)
+            messages = [dict(zip(message, to_host(message.values())))]
         else:
             trained, losses = local_train_clients(model, datasets, generators=generators, augment_seeds=augment,
                                                   **train)
-        train_seconds = (time.perf_counter() - started) / len(datasets)
-        params = dict(model.named_parameters())
+            messages = self.client_messages(model, phase, trained)
+        return TrainedClients(messages, start, losses, (time.perf_counter() - started) / len(datasets))
+
+    def release_clients(self, trained: TrainedClients, *, round_: int, noises: Sequence[torch.Generator | None],
+                        release: int | None = None, clip_norm: float | None = None) -> list[ClientRound]:
+        """Each trained client's round: its message (or update) clipped and privatized with its own noise, on the
+        host; safe in another thread than the training's (its randomness is the ``noises`` and the round's seeded
+        sketches)."""
+        release = round_ if release is None else release
         rounds = []
-        for client, loss, noise in zip(trained, losses, noises):
+        for message, loss, noise in zip(trained.messages, trained.losses, noises):
             privatizing = time.perf_counter()
-            if client is not None:
-                with torch.no_grad():
-                    for name, value in client.items():
-                        params[name].copy_(value)
-            message = {n: t.detach().cpu() for n, t in self.client_message(model, phase).items()}
             if self.sends_updates:
-                message = self.update_of(start, message)
+                message = self.update_of(trained.start, message)
             out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
-            rounds.append(ClientRound(out, loss, train_seconds, time.perf_counter() - privatizing, bit))
+            rounds.append(ClientRound(out, loss, trained.train_seconds, time.perf_counter() - privatizing, bit))
         return rounds
+
+    def client_messages(self, model, phase: str, trained: dict[str, torch.Tensor]) -> list[Message]:
+        """Each client's ``client_message`` on the host, from the clients' trained parameters stacked (parameter
+        name -> (M, ...), as ``local_train_clients`` gives them) and, for entries no client trained, the model's:
+        one copy from the device for the group, not one per client and entry."""
+        shared, behind = self.client_message(model, phase), message_parameters(model)
+        own = [n for n in shared if behind[n] in trained]
+        values = dict(zip([*own, *(n for n in shared if n not in own)],
+                          to_host([*(trained[behind[n]] for n in own), *(shared[n] for n in shared if n not in own)])))
+        clients = len(next(iter(trained.values())))
+        return [{n: values[n][m] if n in own else values[n] for n in shared} for m in range(clients)]
 
     def privatize(self, message: Message, *, round_: int, release: int, noise: torch.Generator | None,
                   clip_norm: float | None = None) -> tuple[Message, float | None]:

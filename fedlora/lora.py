@@ -135,6 +135,21 @@ def save_adapters(model: PeftModel, path: str | Path) -> None:
 
 
 
+def message_parameters(model: PeftModel) -> dict[str, str]:
+    """The name of the model's parameter behind each entry a client's message can carry: every layer's
+    "{layer}.lora_A" and "{layer}.lora_B", and the trained head's entries (``get_head``)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    entries = {}
+    for layer, module in _lora_layers(model):
+        entries[f"{layer}.lora_A"] = names[id(module.lora_A[ADAPTER].weight)]
+        entries[f"{layer}.lora_B"] = names[id(module.lora_B[ADAPTER].weight)]
+    found = _head_module(model)
+    if found is not None:
+        name, module = found
+        entries.update({f"{name}.{p}": names[id(t)] for p, t in module.named_parameters()})
+    return entries
+
+
 def _head_module(model: PeftModel) -> tuple[str, nn.Module] | None:
     """The trainable copy PEFT keeps of the classifier head (``modules_to_save``), if the head is trained."""
     names = model.peft_config[ADAPTER].modules_to_save or []

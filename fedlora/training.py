@@ -9,12 +9,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fedlora.data import DeviceImages, batch_of
 from fedlora.models import logits
 
 
 def select_device() -> torch.device:
     """CUDA when present, CPU otherwise."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copies of ``tensors`` on the CPU, detached: in one copy where they share a dtype, since from a GPU each tensor
+    copied alone makes the host wait for the device once more (a group of clients' messages is hundreds of them)."""
+    tensors = [t.detach() for t in tensors]
+    if len({t.dtype for t in tensors}) != 1:
+        return [t.to("cpu", copy=True) for t in tensors]
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
 
 
 LOCAL_OPTIMIZERS = ("sgd", "adam")
@@ -75,14 +86,14 @@ def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: f
     return total.item() / steps
 
 
-def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, batch_size: int, lr: float,
+def local_train_clients(model: nn.Module, datasets: Sequence[DeviceImages], *, steps: int, batch_size: int, lr: float,
                         generators: Sequence[torch.Generator], augment_seeds: Sequence[int],
-                        optimizer: str = "sgd", precision: str = "fp32") -> tuple[list[dict[str, torch.Tensor]],
-                                                                                  list[float]]:
+                        optimizer: str = "sgd", precision: str = "fp32") -> tuple[dict[str, torch.Tensor], list[float]]:
     """``local_train`` of M clients at once, all starting from the model's current trainable parameters: each step
-    one forward and backward of the M clients' batches concatenated, through the frozen backbone shared and each
-    client's own copy of every trainable linear (LoRA factors, head: StackedLinear). Returns each client's trained
-    parameters (by name) and mean loss; the model's own parameters are left as they were.
+    one forward and backward of the M clients' batches concatenated (transformed on the device as one batch,
+    ``fedlora.data.batch_of``), through the frozen backbone shared and each client's own copy of every trainable
+    linear (LoRA factors, head: StackedLinear). Returns the clients' trained parameters, by name, stacked (M, ...)
+    in client order, and each client's mean loss; the model's own parameters are left as they were.
 
     Each client computes what ``local_train`` computes alone, up to floating-point summation order: its batches
     come from its own ``generators[m]`` and its augmentation from the global generator seeded with
@@ -110,23 +121,21 @@ def local_train_clients(model: nn.Module, datasets: Sequence, *, steps: int, bat
         model.train()
         total = torch.zeros(clients, dtype=torch.float64, device=device)
         for _ in range(steps):
-            pixels, labels = [], []
+            draws = []
             for m, dataset in enumerate(datasets):
-                indices = torch.randint(len(dataset), (batch_size,), generator=generators[m]).tolist()
+                indices = torch.randint(len(dataset), (batch_size,), generator=generators[m])
                 torch.set_rng_state(streams[m])
-                batch = dataset[indices]
+                draws.append(dataset.draw(indices))
                 streams[m] = torch.get_rng_state()
-                pixels.append(batch["pixel_values"])
-                labels.append(batch["labels"])
+            batch = batch_of(draws)
             with autocast(device, dtype):
-                out = logits(model, torch.cat(pixels).to(device))
-            losses = F.cross_entropy(out.float(), torch.cat(labels).to(device),
-                                     reduction="none").view(clients, -1).mean(1)
+                out = logits(model, batch["pixel_values"])
+            losses = F.cross_entropy(out.float(), batch["labels"], reduction="none").view(clients, -1).mean(1)
             step.zero_grad(set_to_none=True)
             losses.sum().backward()
             step.step()
             total += losses.detach().double()
-        trained = [{name: p[m].detach().clone() for name, p in stacked.items()} for m in range(clients)]
+        trained = {name: p.detach() for name, p in stacked.items()}
     torch.set_rng_state(kept)
     return trained, (total / steps).cpu().tolist()
 

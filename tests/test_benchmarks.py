@@ -254,6 +254,41 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
 
 
+def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypatch):
+    """A row of client_throughput on the CPU: --clients rounded up to whole groups of M, trained and released through
+    the product's path (the path before, one client at a time, too), images a second from them."""
+    from benchmarks import client_throughput
+
+    for path, batch in (("device", 2), ("host", 1)):
+        row = client_throughput.measure("quickstart", None, batch=batch, clients=3, threads=1, path=path)
+        trained = 4 if batch == 2 else 3
+        assert (row["device"], row["client-batch"], row["path"], row["clients"]) == ("cpu", batch, path, trained)
+        images = trained * row["local-steps"] * row["batch-size"]
+        assert row["images-per-second"] == pytest.approx(images / row["seconds"])
+        assert row["seconds-per-client"] == pytest.approx(row["seconds"] / trained) and row["peak-memory-gib"] > 0
+
+
+def test_the_sketch_cost_table_times_each_path_and_states_the_cached_ratio_either_way(tmp_path, monkeypatch):
+    """A small run (rank 2, b 20): three interleaved paths timed for both mechanisms, the cached path's time against
+    the bare products as the ratio the table's numbers give (below 1 when the cache pays, above when it does not)."""
+    import sys
+
+    from benchmarks import sketch_cost
+
+    monkeypatch.setattr(sketch_cost, "RESULTS", tmp_path)
+    monkeypatch.setattr(sys, "argv", ["sketch_cost", "--rank", "2", "--sketch-dim", "20", "--repeats", "1"])
+    sketch_cost.main()
+    text = (tmp_path / "sketch_cost.md").read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| ") and "(ms)" not in line]
+    assert [r[0].strip() for r in rows] == ["sketch + de-sketch, R drawn from its seed",
+                                            "sketch + de-sketch, R from the process's cache",
+                                            "matrix products only, in the paper's order (R B)"]
+    cached, bare = float(rows[1][1]), float(rows[2][1])
+    ratio = float(re.search(r"SGMM's path takes ([\d.]+) times the time of its bare products", text).group(1))
+    # the table's milliseconds and the ratio are rounded to 0.01
+    assert (cached - 0.005) / (bare + 0.005) - 0.005 <= ratio <= (cached + 0.005) / (bare - 0.005) + 0.005
+
+
 @pytest.mark.parametrize("steps", ["600,300", "0", "x", "600,600"])
 def test_the_real_data_ceilings_refuse_step_counts_that_do_not_increase_before_any_work(steps, capsys):
     from benchmarks.real_data import main

@@ -22,6 +22,7 @@ from fedlora.data import (
     IMAGE_COLUMN,
     LABEL_COLUMN,
     DatasetUnavailableError,
+    batch_of,
     image_transform,
     load_cifar100,
     load_image_dir,
@@ -273,6 +274,35 @@ def test_device_images_decode_once_at_the_native_size_unless_larger_or_mixed():
     assert images[1]["pixel_values"].shape == (3, 32, 32) and images[0:2]["labels"].tolist() == [0, 1]
     assert images[np.int64(1)]["labels"] == 1 and images[[]]["pixel_values"].shape == (0, 3, 32, 32)
     assert to_torch(mixed, 32, train=True)[[]]["labels"].shape == (0,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_draws_transformed_as_one_batch_equal_each_transformed_alone(splits, device):
+    """A group's local step: three clients' draws (one stored at 28 px, so resized apart; one not training, so never
+    mirrored), each drawn with its own seed, give the batches each gives alone, concatenated."""
+    train, _ = splits
+    small = datasets.Dataset.from_dict(
+        {IMAGE_COLUMN: [np.random.default_rng(0).integers(0, 256, (28, 28, 3), np.uint8) for _ in range(4)],
+         LABEL_COLUMN: [3, 1, 4, 1]},
+        features=datasets.Features({IMAGE_COLUMN: datasets.Image(), LABEL_COLUMN: datasets.Value("int64")}))
+    clients = [to_torch(train.select(range(50)), 64, train=True, device=device),
+               to_torch(small, 64, train=True, device=device),
+               to_torch(train.select(range(50, 100)), 64, device=device)]
+    rows = [[4, 0, 4, 9], [2, 3, 0], [1, 7]]
+    draws = []
+    for seed, (images, key) in enumerate(zip(clients, rows)):
+        torch.manual_seed(seed)
+        draws.append(images.draw(key))
+    together = batch_of(draws)
+    alone = []
+    for seed, (images, key) in enumerate(zip(clients, rows)):
+        torch.manual_seed(seed)
+        alone.append(images[key])
+    for name in ("pixel_values", "labels"):
+        assert torch.equal(together[name], torch.cat([batch[name] for batch in alone])), name
+    assert together["labels"].tolist()[4:7] == [4, 1, 3]
+    with pytest.raises(ValueError, match="one device, size and normalization"):
+        batch_of([clients[0].draw([0]), to_torch(train.select(range(5)), 32).draw([0])])
 
 
 def test_image_transform_honours_mean_and_std():

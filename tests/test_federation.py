@@ -12,7 +12,7 @@ from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
 from fedlora.config import SIMULATION_KEY, run_config_of
 from fedlora.experiment import noise_for, reconstruct
-from fedlora.federation import DENSE
+from fedlora.federation import DENSE, overlapped
 from fedlora.models import build_backbone
 from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
@@ -595,3 +595,28 @@ def test_a_progress_line_names_the_calibrated_epsilon_then_the_other_finite_ones
            "model (sample hidden)), 18.500 against the server (sample known)  1.0 s" in line
     server = {**row, "epsilon_by_observer": {"model": 8.0, "server": float("inf")}}
     assert "against the server" not in format_progress(server, load_config(None))  # noise the server adds
+
+
+def test_overlapped_releases_each_item_on_another_thread_in_order_and_raises_what_they_raise():
+    import threading
+
+    main = threading.get_ident()
+    trained, released = [], []
+
+    def train(item):
+        trained.append((item, threading.get_ident()))
+        return item * 10
+
+    def release(item, value):
+        released.append(threading.get_ident())
+        return item, value
+
+    assert overlapped([3, 1, 2], train, release) == [(3, 30), (1, 10), (2, 20)]
+    assert [i for i, _ in trained] == [3, 1, 2] and all(t == main for _, t in trained)
+    assert len(released) == 3 and main not in released
+
+    def failing(item, value):
+        raise ValueError(f"release {item} failed")
+
+    with pytest.raises(ValueError, match="release 1 failed"):
+        overlapped([1, 2], train, failing)

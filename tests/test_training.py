@@ -16,6 +16,7 @@ from fedlora.training import (
     local_train,
     local_train_clients,
     stacked_linears,
+    to_host,
 )
 from tests.helpers import DEVICES
 
@@ -91,7 +92,7 @@ def test_clients_trained_together_compute_what_each_computes_alone(model_name, m
                                            augment_seeds=[10 + m for m in range(3)], **train)
     assert all(torch.equal(p, start[n]) for n, p in model.named_parameters())  # the model is left as it was
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert together[0].keys() == trainable and any("lora_A" in n for n in trainable) == (mode is LoRAMode.FLEX)
+    assert together.keys() == trainable and any("lora_A" in n for n in trainable) == (mode is LoRAMode.FLEX)
     for m in range(3):
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -99,7 +100,7 @@ def test_clients_trained_together_compute_what_each_computes_alone(model_name, m
         torch.manual_seed(10 + m)
         loss = local_train(model, data[m], generator=torch.Generator().manual_seed(m), **train)
         alone = {n: p.detach() - start[n] for n, p in model.named_parameters() if n in trainable}
-        error = sum(((together[m][n] - start[n]) - alone[n]).norm() ** 2 for n in alone) ** 0.5
+        error = sum(((together[n][m] - start[n]) - alone[n]).norm() ** 2 for n in alone) ** 0.5
         assert error <= 1e-4 * sum(alone[n].norm() ** 2 for n in alone) ** 0.5
         assert losses[m] == pytest.approx(loss, rel=1e-5)
     assert len({round(loss, 6) for loss in losses}) == 3  # three different clients, not one three times
@@ -145,7 +146,7 @@ def test_bf16_autocast_trains_on_a_cpu_and_keeps_what_is_privatized_in_float32(t
             trained, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m)
                                                                            for m in range(2)],
                                                   augment_seeds=[3, 4], **train)
-            params = trained[0]
+            params = {n: t[0] for n, t in trained.items()}
         else:
             torch.manual_seed(3)
             losses = [local_train(model, data[0], generator=torch.Generator().manual_seed(0), **train)]
@@ -164,3 +165,16 @@ def test_both_model_families_attend_with_pytorch_sdpa():
     assert transformers_vit.config._attn_implementation == "sdpa"
     timm_vit = build_backbone("timm-vit-tiny", num_classes=3)
     assert all(block.attn.fused_attn for block in timm_vit.blocks)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_to_host_copies_tensors_to_the_cpu_in_one_piece_or_one_by_one(device):
+    tensors = [torch.randn(3, 4, device=device, requires_grad=True), torch.randn(5, device=device),
+               torch.randn(2, 1, 2, device=device)[:, :, 1]]  # a strided view
+    host = to_host(tensors)
+    assert [t.device.type for t in host] == ["cpu"] * 3 and not any(t.requires_grad for t in host)
+    assert all(torch.equal(h, t.detach().cpu()) for h, t in zip(host, tensors))
+    host[1].zero_()  # copies, not the originals
+    assert tensors[1].abs().sum() > 0
+    mixed = to_host([torch.arange(3, device=device), torch.ones(2, dtype=torch.float64, device=device)])
+    assert mixed[0].tolist() == [0, 1, 2] and mixed[1].dtype == torch.float64

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU measurements behind docs/how-to/gpu.md in one command, on a machine with one GPU where fedlora imports
+# (about 7 minutes on an H100 or H200): client training against client-batch beside the path before
+# (benchmarks.client_throughput), where a group of 16 clients spends its time and the model alone (--profile), a
+# round of configs/cifar100_private.toml's offline twin in process (benchmarks.preset_round, 64 clients at a time)
+# and the same round through `fedlora run` on Ray with the preset's own resources.
+#
+#     bash benchmarks/gpu_checks.sh [DIR]     # DIR: also copy the results and a log there
+#
+# Results land in benchmarks/results/ as each benchmark writes them; the Ray round's run in runs/gpu-ray-round.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-}
+[ -n "$out" ] && mkdir -p "$out"
+log=${out:+$out/gpu_checks.log}
+log=${log:-runs/gpu_checks.log}
+mkdir -p runs
+: > "$log"
+export PYTHONUNBUFFERED=1
+twin=(dataset=\"synthetic\" model=\"vit-b16-random\" train-examples=50000 test-examples=2000)
+status=0
+step() {  # one measurement: its command and output in the log; a failure is reported and the others still run
+  echo "== $* ($(date -u +%H:%M:%S))" | tee -a "$log"
+  "$@" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { echo "== failed with exit code $rc: $*" | tee -a "$log"; status=1; }
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$log"
+step python3 -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline \
+  --batches 1,16,64 --clients 64
+step python3 -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --profile 16
+step python3 -m benchmarks.preset_round --set client-batch=64
+rm -rf runs/gpu-ray-round
+step python3 -m fedlora.cli run --config cifar100_private --set "${twin[@]}" num-rounds=1 eval-every=1 \
+  --out runs/gpu-ray-round
+if [ -n "$out" ]; then
+  cp benchmarks/results/client_throughput.json benchmarks/results/client_throughput.md "$out"/ 2>/dev/null
+  cp benchmarks/results/client_profile_*_m16.md "$out"/ 2>/dev/null
+  cp runs/gpu-ray-round/metrics.jsonl "$out"/ray_round_metrics.jsonl 2>/dev/null
+fi
+echo "== done ($(date -u +%H:%M:%S)), exit $status" | tee -a "$log"
+exit $status
