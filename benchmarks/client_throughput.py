@@ -1,8 +1,9 @@
 """Client training speed against client-batch: the clients of a message trained one at a time (M = 1) or M at a
 time in one forward and backward per local step (fedlora.training.local_train_clients), through the product's
-own path (Protocol.train_clients, then release_clients on a thread of the host while the next group trains, as a
-message's groups are: load the global state, K local steps, clip, sketch, noise), with the data decoded once onto
-the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto: bf16 on a GPU).
+own path (Protocol.train_clients, then release_clients, on a GPU on a thread of the host while the next group
+trains, as a message's groups are: load the global state, K local steps, clip, sketch, noise), with the data
+decoded once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto:
+bf16 on a GPU).
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
@@ -70,9 +71,10 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
     data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
 
-    def groups(releases: list[int]) -> None:
+    def groups(releases: list[int], profiled: bool = False) -> None:
         """One group of the clients per release, trained and released as a message's groups are (``overlapped``:
-        each group's release on the host while the next group trains); the path before, one after the other."""
+        on a GPU each group's release on the host while the next group trains); the path before, and a profiled
+        group (torch.profiler does not see other threads), one after the other."""
         def train(release: int) -> TrainedClients:
             return protocol.train_clients(net, base, data, state, round_=1, release=release,
                                           partition_ids=list(range(batch)))
@@ -81,11 +83,7 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
             protocol.release_clients(trained, round_=1, release=release,
                                      noises=[protocol.simulation_noise(release, p) for p in range(batch)])
 
-        if path == "host":
-            for release in releases:
-                privatize(release, train(release))
-        else:
-            overlapped(releases, train, privatize)
+        overlapped(releases, train, privatize, background=path != "host" and not profiled and device.type == "cuda")
 
     return config, device, size, net, groups
 
@@ -180,7 +178,7 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
         torch.cuda.synchronize()
     started = time.perf_counter()
     with torch.profiler.profile(activities=activities) as prof:
-        run_groups([1])
+        run_groups([1], profiled=True)
         if cuda:
             torch.cuda.synchronize()
     wall = time.perf_counter() - started

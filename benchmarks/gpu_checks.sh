@@ -7,10 +7,11 @@
 #
 #     bash benchmarks/gpu_checks.sh [DIR]     # DIR: also copy the results and a log there
 #
-# Results land in benchmarks/results/ as each benchmark writes them; the Ray round's run in runs/gpu-ray-round.
+# The throughput rows and the profile land in benchmarks/results/, the Ray round's run in runs/gpu-ray-round, and
+# preset_round's output (it writes no file) in the log.
 set -uo pipefail
+out=${1:+$(realpath -m "$1")}
 cd "$(dirname "$0")/.."
-out=${1:-}
 [ -n "$out" ] && mkdir -p "$out"
 log=${out:+$out/gpu_checks.log}
 log=${log:-runs/gpu_checks.log}
@@ -27,7 +28,7 @@ step() {  # one measurement: its command and output in the log; a failure is rep
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | tee -a "$log"
 step python3 -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline \
-  --batches 1,16,64 --clients 64
+  --batches 1,4,16,64 --clients 64
 step python3 -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --profile 16
 step python3 -m benchmarks.preset_round --set client-batch=64
 rm -rf runs/gpu-ray-round

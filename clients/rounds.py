@@ -126,7 +126,8 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
     if node.data_dir:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
-    size, where = clients_at_once(config.client_batch, select_device()), _ray_node()
+    device, where = select_device(), _ray_node()
+    size = clients_at_once(config.client_batch, device)
     groups = client_groups([int(p) for p in round_config[PACKED]], protocol, size)
 
     def train(group: list[int]) -> TrainedClients:
@@ -138,7 +139,7 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
                                 startup_seconds if group is groups[0] else 0.0, where)
 
     records = {}
-    for group, results in zip(groups, overlapped(groups, train, release)):
+    for group, results in zip(groups, overlapped(groups, train, release, background=device.type == "cuda")):
         for partition_id, one in zip(group, results):
             records.update({packed_key(key, partition_id): record for key, record in client_records(*one).items()})
     return Message(RecordDict(records), reply_to=msg)

@@ -683,9 +683,10 @@ class Draw:
 
 def batch_of(draws: Sequence[Draw]) -> dict[str, torch.Tensor]:
     """The batches of ``draws`` concatenated in order, {"pixel_values": float32 (B, 3, S, S), "labels": int64 (B,)}
-    on the device: each draw's stored images gathered, then resized, mirrored, scaled and normalized as one batch.
-    Several clients' draws of a local step take as many device operations as one client's (each its own would
-    launch them all again, and on a GPU each launch costs the host a few microseconds while the device waits)."""
+    on the device: each draw's stored images and labels gathered, then resized (apart only where datasets are
+    stored at different sizes), mirrored, scaled and normalized as one batch. Several clients' draws of a local
+    step thus add two gathers a client to one client's operations, not the whole transform again: on a GPU each
+    operation launched costs the host a few microseconds while the device may wait."""
     from torchvision.transforms import v2
 
     first = draws[0].images

@@ -86,14 +86,27 @@ class TrainedClients:
     train_seconds: float  # loading the global state and K local steps: each client's share of the group's
 
 
-def overlapped(items: Sequence[T], train: Callable[[T], TrainedClients],
-               release: Callable[[T, TrainedClients], R]) -> list[R]:
-    """``release(item, train(item))`` for each item, in order, each release run by one thread of the host while the
-    next item trains: a group's release (clip, sketch, noise) is host work, and on a GPU the device would idle
-    through it. ``Protocol.release_clients`` needs nothing of the device or of the model being trained."""
+def overlapped(items: Sequence[T], train: Callable[[T], TrainedClients], release: Callable[[T, TrainedClients], R], *,
+               background: bool = True) -> list[R]:
+    """``release(item, train(item))`` for each item, in order. With ``background`` (a GPU), each release runs on one
+    thread of the host while the next item trains: a group's release (clip, sketch, noise) is host work, and the
+    device would idle through it; one release at a time is pending, so that a failed release stops the work after
+    one more item and trained items do not pile up. Without (a CPU), one after the other: the thread would take a
+    core that a Ray worker did not reserve. ``Protocol.release_clients`` needs nothing of the device or of the
+    model being trained."""
+    if not background:
+        return [release(item, train(item)) for item in items]
+    released: list[R] = []
     with ThreadPoolExecutor(max_workers=1) as host:
-        released = [host.submit(release, item, train(item)) for item in items]
-        return [future.result() for future in released]
+        pending = None
+        for item in items:
+            trained = train(item)
+            if pending is not None:
+                released.append(pending.result())
+            pending = host.submit(release, item, trained)
+        if pending is not None:
+            released.append(pending.result())
+    return released
 
 
 class Protocol:

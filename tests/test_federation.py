@@ -598,25 +598,63 @@ def test_a_progress_line_names_the_calibrated_epsilon_then_the_other_finite_ones
 
 
 def test_overlapped_releases_each_item_on_another_thread_in_order_and_raises_what_they_raise():
+    """On a GPU (background) each release runs on a thread of the host while the next item trains, one pending at a
+    time: a failed release stops the work one item later. On a CPU, one after the other on the caller's thread."""
     import threading
 
     main = threading.get_ident()
-    trained, released = [], []
+    for background in (True, False):
+        trained, released = [], []
 
-    def train(item):
-        trained.append((item, threading.get_ident()))
-        return item * 10
+        def train(item):
+            trained.append((item, threading.get_ident()))
+            return item * 10
 
-    def release(item, value):
-        released.append(threading.get_ident())
-        return item, value
+        def release(item, value):
+            released.append(threading.get_ident())
+            return item, value
 
-    assert overlapped([3, 1, 2], train, release) == [(3, 30), (1, 10), (2, 20)]
-    assert [i for i, _ in trained] == [3, 1, 2] and all(t == main for _, t in trained)
-    assert len(released) == 3 and main not in released
+        assert overlapped([3, 1, 2], train, release, background=background) == [(3, 30), (1, 10), (2, 20)]
+        assert [i for i, _ in trained] == [3, 1, 2] and all(t == main for _, t in trained)
+        assert len(released) == 3 and (main not in released) == background
 
-    def failing(item, value):
-        raise ValueError(f"release {item} failed")
+        def failing(item, value):
+            if item == 1:
+                raise ValueError(f"release {item} failed")
+            return item
 
-    with pytest.raises(ValueError, match="release 1 failed"):
-        overlapped([1, 2], train, failing)
+        trained.clear()
+        with pytest.raises(ValueError, match="release 1 failed"):
+            overlapped([1, 2, 3, 4], train, failing, background=background)
+        assert [i for i, _ in trained] == ([1, 2] if background else [1])  # not the items after
+
+
+def test_groups_released_on_the_host_s_thread_release_what_they_release_one_after_the_other():
+    """A GPU's path (each group's release on a thread while the next group trains) on this CPU: the private releases
+    (SGMM sketch, seeded noise at each client, adaptive clipping's noised bits) equal, bit for bit, those of the same
+    groups released one after the other."""
+    from fedlora.config import RunConfig
+    from fedlora.data import make_synthetic_cifar, to_torch
+    from fedlora.federation import Protocol
+    from fedlora.lora import get_adapters
+
+    config = RunConfig.from_mapping({**SMALL, "strategy": "sgmm-ffa-lora", "noise-placement": "client",
+                                     "clip-quantile": 0.5, "clip-count-stddev": 2.0, "num-clients": 6})
+    protocol = Protocol(config, 1.0)
+    model = protocol.build_model(config.rank)
+    base, state = get_adapters(model), protocol.initial_state(model)
+    groups = [[0, 1], [2, 3], [4, 5]]
+    data = {p: to_torch(make_synthetic_cifar(20, num_classes=10, seed=p), 32, train=True) for g in groups for p in g}
+
+    def train(group):
+        return protocol.train_clients(model, base, [data[p] for p in group], state, round_=1, release=1,
+                                      partition_ids=group)
+
+    def release(group, trained):
+        return protocol.release_clients(trained, round_=1, release=1, clip_norm=config.clip_norm,
+                                        noises=[protocol.simulation_noise(1, p) for p in group])
+
+    threaded, sequential = (overlapped(groups, train, release, background=b) for b in (True, False))
+    for one, other in zip((r for g in threaded for r in g), (r for g in sequential for r in g)):
+        assert one.release.keys() == other.release.keys() and one.clip_bit == other.clip_bit
+        assert all(torch.equal(one.release[n], other.release[n]) for n in one.release)
