@@ -3,19 +3,21 @@ time in one forward and backward per local step (fedlora.training.local_train_cl
 own path (Protocol.train_clients, then release_clients, on a GPU on a thread of the host while the next group
 trains, as a message's groups are: load the global state, K local steps, clip, sketch, noise), with the data
 decoded once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto:
-bf16 on a GPU).
+bf16 on a GPU) or --precision's.
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
     python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline   # GPU
     python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --profile 16
+    python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --precision bf16-backbone
 --baseline adds the path before this work in the same run: one client at a time in fp32, each image decoded and
 transformed on the CPU when its batch is drawn. Each row runs in a fresh process (its peak memory is its own): a
 warm-up group, then at least --clients clients in groups of M; images a second = clients x K x batch / seconds; a
 group that does not fit the device's memory is a row saying so. Results: benchmarks/results/client_throughput.{json,md},
-one row per (device, model, threads, path, client-batch), rows of other devices and models kept. --profile M
-instead profiles one group of M clients under torch.profiler: time by operator and how busy the device was, in
-benchmarks/results/client_profile_<device>_m<M>.md.
+one row per (device, model, threads, path, precision, client-batch), rows of other devices and models kept.
+--profile M instead profiles one group of M clients under torch.profiler: time by operator and how busy the device
+was, and the model alone (at bf16-backbone too, where the precision is autocast's bf16), in
+benchmarks/results/client_profile_<device>_m<M>[_<precision>].md.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import sys
 import time
 
 from benchmarks.common import RESULTS, command_line, machine, revision
+from fedlora.training import PRECISIONS
 
 STORE = RESULTS / "client_throughput.json"
 
 
-PATHS = {"device": "data on the device, precision auto", "host": "per-image CPU transforms, fp32 (before)"}
+PATHS = {"device": "data on the device, at the row's precision", "host": "per-image CPU transforms, fp32 (before)"}
 
 
 def host_images(dataset, image_size: int):
@@ -46,7 +49,7 @@ def host_images(dataset, image_size: int):
                                              "labels": torch.as_tensor(b[LABEL_COLUMN], dtype=torch.int64)})
 
 
-def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
+def _setup(preset: str, model: str | None, batch: int, threads: int, path: str, precision: str | None = None):
     """The preset's client on this machine's device: its config, device, image size, model, and a function that
     trains one group of ``batch`` clients through the product's path (as release ``release``)."""
     import torch
@@ -60,12 +63,13 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     from fedlora.training import select_device
 
     torch.set_num_threads(threads)
+    precision = "fp32" if path == "host" else precision
     overrides = ['dataset="synthetic"', "num-classes=100", *([f'model="{model}"'] if model else []),
-                 *(['precision="fp32"'] if path == "host" else [])]
+                 *([f'precision="{precision}"'] if precision else [])]
     config = load_config(preset, overrides)
     protocol = Protocol(config, noise_for(config).noise_multiplier)
     device = select_device()
-    net = protocol.build_model(config.rank).to(device)
+    net = protocol.build_model(config.rank, device)
     base, state = get_adapters(net), protocol.initial_state(net)
     size = model_spec(config.model).image_size
     raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
@@ -88,28 +92,24 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str):
     return config, device, size, net, groups
 
 
-def model_alone(net, config, device, size: int, clients: int, steps: int = 3, frozen_dtype=None) -> float:
+def model_alone(net, config, device, size: int, clients: int, steps: int = 3, precision: str | None = None) -> float:
     """Seconds of one local step of the model alone for a group of ``clients``: the forward and backward of their
     clients x batch random images through the same stacked trainable linears at the same precision, with no data,
     optimizer step, clipping or sketching; what the product's path would reach if it added nothing.
-    ``frozen_dtype``: a copy of the model with every frozen parameter stored in it (bf16: no per-operation casts
-    of the backbone's weights, a bf16 residual stream), to measure that before the product does it."""
+    ``precision``: another than the config's, on a copy of the model stored as it stores it (``store_backbone``)."""
     import copy
 
     import torch
     import torch.nn.functional as F
 
     from fedlora.models import logits
-    from fedlora.training import autocast, compute_dtype, stacked_linears
+    from fedlora.training import autocast, compute_dtype, stacked_linears, store_backbone
 
-    if frozen_dtype is not None:
-        net = copy.deepcopy(net)
-        for p in net.parameters():
-            if not p.requires_grad:
-                p.data = p.data.to(frozen_dtype)
+    if precision and precision != config.precision:
+        net = store_backbone(copy.deepcopy(net), precision)
     images = torch.randn(clients * config.batch_size, 3, size, size, device=device)
     labels = torch.randint(config.classes, (len(images),), device=device)
-    dtype = compute_dtype(config.precision, device)
+    dtype = compute_dtype(precision or config.precision, device)
     net.train()
     with stacked_linears(net, clients):
         def step() -> None:
@@ -128,11 +128,12 @@ def model_alone(net, config, device, size: int, clients: int, steps: int = 3, fr
         return (time.perf_counter() - started) / steps
 
 
-def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str) -> dict:
+def measure(preset: str, model: str | None, batch: int, clients: int, threads: int, path: str,
+            precision: str | None = None) -> dict:
     """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
     import torch
 
-    config, device, size, _, run_groups = _setup(preset, model, batch, threads, path)
+    config, device, size, _, run_groups = _setup(preset, model, batch, threads, path, precision)
     groups = -(-clients // batch)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch,
@@ -159,7 +160,8 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
             "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS"}
 
 
-def profile(preset: str, model: str | None, batch: int, threads: int, top: int = 30) -> str:
+def profile(preset: str, model: str | None, batch: int, threads: int, precision: str | None = None,
+            top: int = 30) -> str:
     """torch.profiler over one group of ``batch`` clients after a warm-up group: where the time goes, by operator
     (self time on the device where there is one, on the CPU otherwise), and how busy the device was; then the
     group without the profiler against the model alone (``model_alone``). Returns the
@@ -170,7 +172,7 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
 
     from fedlora.training import compute_dtype
 
-    config, device, size, net, run_groups = _setup(preset, model, batch, threads, "device")
+    config, device, size, net, run_groups = _setup(preset, model, batch, threads, "device", precision)
     run_groups([0])
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -188,9 +190,10 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
         torch.cuda.synchronize()
     plain = time.perf_counter() - started
     alone = model_alone(net, config, device, size, batch) * config.local_steps
-    bf16 = compute_dtype(config.precision, device) == torch.bfloat16
-    stored = (model_alone(net, config, device, size, batch, frozen_dtype=torch.bfloat16) * config.local_steps
-              if bf16 else None)
+    # autocast alone against a backbone stored in bf16, where the path runs autocast alone
+    other = "bf16-backbone" if compute_dtype(config.precision, device) == torch.bfloat16 and \
+        config.precision != "bf16-backbone" else None
+    stored = model_alone(net, config, device, size, batch, precision=other) * config.local_steps if other else None
 
     def self_time(e) -> float:  # microseconds
         if cuda:
@@ -217,8 +220,8 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
              f"(its K forwards and backwards of the group's {batch * config.batch_size} images a step, random "
              f"inputs, no data, optimizer, clipping or sketching) {alone:.3f} s ({images / alone:.0f} images/s): the "
              f"path reaches {100 * alone / plain:.0f}% of the model's speed." + (
-                 f" The model alone with its frozen parameters stored in bf16 (no casts of the backbone's weights, a "
-                 f"bf16 residual stream; not yet the product's): {stored:.3f} s ({images / stored:.0f} images/s)."
+                 f" The model alone at precision bf16-backbone (the frozen backbone stored in bf16, its residual "
+                 f"stream bf16): {stored:.3f} s ({images / stored:.0f} images/s)."
                  if stored else ""), "",
              f"| operator | calls | self {where} ms | share of busy |", "|---|---:|---:|---:|"]
     for e in events[:top]:
@@ -228,7 +231,8 @@ def profile(preset: str, model: str | None, batch: int, threads: int, top: int =
     text = "\n".join(lines)
     RESULTS.mkdir(exist_ok=True)
     device_name = "cpu" if not cuda else name.replace(" ", "_").lower()
-    (RESULTS / f"client_profile_{device_name}_m{batch}.md").write_text(text)
+    suffix = "" if config.precision == "auto" else f"_{config.precision}"
+    (RESULTS / f"client_profile_{device_name}_m{batch}{suffix}.md").write_text(text)
     return text
 
 
@@ -243,6 +247,7 @@ def main() -> None:
                                                                    "per-image CPU transforms)")
     parser.add_argument("--profile", type=int, metavar="M", help="instead: profile one group of M clients (where "
                         "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>.md")
+    parser.add_argument("--precision", choices=PRECISIONS, help="another precision than the preset's (auto)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
     parser.add_argument("--path", default="device", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -258,16 +263,18 @@ def main() -> None:
         if args.profile < 1:
             print("client_throughput: error: --profile takes a client-batch M of at least 1.", file=sys.stderr)
             sys.exit(2)
-        print(profile(args.preset, args.model, args.profile, args.threads))
+        print(profile(args.preset, args.model, args.profile, args.threads, args.precision))
         return
     if args.one:
-        print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads, args.path)))
+        print(json.dumps(measure(args.preset, args.model, int(args.one), args.clients, args.threads, args.path,
+                                 args.precision)))
         return
     rows = []
     for path, batch in [*([("host", 1)] if args.baseline else []), *(("device", b) for b in batches)]:
         child = [sys.executable, "-m", "benchmarks.client_throughput", "--preset", args.preset, "--clients",
                  str(args.clients), "--threads", str(args.threads), "--one", str(batch), "--path", path,
-                 *(["--model", args.model] if args.model else [])]
+                 *(["--model", args.model] if args.model else []),
+                 *(["--precision", args.precision] if args.precision else [])]
         out = subprocess.run(child, capture_output=True, text=True)
         if out.returncode != 0:
             print(out.stderr[-2000:], file=sys.stderr)
@@ -282,11 +289,11 @@ def main() -> None:
               f"a client, peak {row['peak-memory-gib']:.2f} GiB", flush=True)
 
     def key(r: dict) -> tuple:
-        return r["device"], r["model"], r["client-batch"], r["threads"], r.get("path", "host")
+        return r["device"], r["model"], r["client-batch"], r["threads"], r.get("path", "host"), r["precision"]
 
     kept = [r for r in (json.loads(STORE.read_text()) if STORE.is_file() else []) if key(r) not in set(map(key, rows))]
     table = sorted(kept + rows, key=lambda r: (r["device"], r["model"], r["threads"], r.get("path", "host") != "host",
-                                               r["client-batch"]))
+                                               r["precision"], r["client-batch"]))
     RESULTS.mkdir(exist_ok=True)
     STORE.write_text(json.dumps(table, indent=1) + "\n")
     write_table(table)

@@ -90,7 +90,7 @@ def peer_main(grid: Grid, context: Context) -> None:
         noise_multiplier=z, clipping_norm=config.clip_norm, num_sampled_clients=config.clients_per_round,
         accountant=accountant)
     protocol = trainer(config)
-    model = protocol.build_model().to(select_device())
+    model = protocol.build_model(device=select_device())
     base = protocol.initial_state(model)
     test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
     startup = {"process": began - psutil.Process().create_time(), "model and test data": time.time() - began}

@@ -33,7 +33,7 @@ from fedlora.training import clients_at_once, select_device
 @lru_cache(maxsize=4)
 def _model(config: RunConfig, rank: int):
     """The client model of one rank, built once per process (same seeded backbone on every client)."""
-    model = Protocol(config, 0.0).build_model(rank).to(select_device())
+    model = Protocol(config, 0.0).build_model(rank, select_device())
     return model, get_adapters(model)
 
 

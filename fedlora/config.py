@@ -179,8 +179,9 @@ class RunConfig:
                                      "thousands of nodes Flower's engine would poll)", low=0)
     precision: str = _opt("auto", "the clients' and the server's forward and backward passes: bf16 autocast (the "
                                   "matrix products in bfloat16; the parameters, their gradients, the loss, clipping, "
-                                  "sketches and noise in float32), fp32, or auto: bf16 on a GPU that supports it, fp32 "
-                                  "elsewhere",
+                                  "sketches and noise in float32), bf16-backbone (bf16, and the frozen backbone "
+                                  "stored in bfloat16, so that its residual stream is bfloat16 too), fp32, or auto: "
+                                  "bf16 on a GPU that supports it, fp32 elsewhere",
                           choices=PRECISIONS)
     client_batch: int = _opt(0, "clients a simulation node trains together, in one forward and backward per local step "
                                 "(several clients per message: simulation-nodes); each computes what it would "

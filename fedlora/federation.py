@@ -43,7 +43,7 @@ from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, side_of
-from fedlora.training import local_train, local_train_clients, to_host
+from fedlora.training import local_train, local_train_clients, store_backbone, to_host
 
 T, R = TypeVar("T"), TypeVar("R")
 DENSE = 0  # GlobalState.produced_by for a state that is not sketched
@@ -175,12 +175,14 @@ class Protocol:
         ranks = self.config.parsed_client_ranks()
         return ranks[partition_id % len(ranks)] if ranks else self.config.rank
 
-    def build_model(self, rank: int | None = None):
-        """A client's model: the shared seeded backbone with LoRA of ``rank`` (alpha scaled so alpha / r is fixed)."""
+    def build_model(self, rank: int | None = None, device: torch.device | None = None):
+        """A client's model: the shared seeded backbone with LoRA of ``rank`` (alpha scaled so alpha / r is fixed);
+        with a ``device``, on it and stored as the run's precision stores it (``store_backbone``)."""
         rank = rank or self.config.rank
-        return build_lora_model(self.config.model, num_classes=self.config.classes, rank=rank,
-                                alpha=self.config.lora_alpha * rank / self.config.rank, targets=self.config.targets,
-                                mode=self.mode, seed=self.config.seed, train_head=self.config.head != "frozen")
+        model = build_lora_model(self.config.model, num_classes=self.config.classes, rank=rank,
+                                 alpha=self.config.lora_alpha * rank / self.config.rank, targets=self.config.targets,
+                                 mode=self.mode, seed=self.config.seed, train_head=self.config.head != "frozen")
+        return model if device is None else store_backbone(model.to(device), self.config.precision)
 
     def client_message(self, model, phase: str = LORA) -> Message:
         """What a client sends before privatizing: in LoRA rounds B (and A for Flex) of every layer, and the head

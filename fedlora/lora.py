@@ -81,6 +81,12 @@ def attach_lora(backbone: nn.Module, *, family: str, head: str, rank: int, alpha
     return model
 
 
+def is_backbone(name: str) -> bool:
+    """Whether a LoRA model's parameter of this name is the backbone's: frozen in every round (not a LoRA factor,
+    not the head's trained copy)."""
+    return "lora_" not in name and "modules_to_save" not in name
+
+
 def _lora_layers(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from types import MethodType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fedlora.data import DeviceImages, batch_of
+from fedlora.lora import is_backbone
 from fedlora.models import logits
 
 
@@ -29,16 +31,47 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 LOCAL_OPTIMIZERS = ("sgd", "adam")
-PRECISIONS = ("auto", "bf16", "fp32")
+PRECISIONS = ("auto", "bf16", "bf16-backbone", "fp32")
 
 
 def compute_dtype(precision: str, device: torch.device) -> torch.dtype:
-    """The dtype of the forward and backward's products: bfloat16 for "bf16", and for "auto" on a GPU that supports
-    it (on CPUs autocast's bf16 is slower than fp32 and changes every result); float32 otherwise."""
+    """The dtype of the forward and backward's products: bfloat16 for "bf16" and "bf16-backbone", and for "auto" on
+    a GPU that supports it (on CPUs autocast's bf16 is slower than fp32 and changes every result); float32
+    otherwise."""
     if precision not in PRECISIONS:
         raise ValueError(f"Unknown precision '{precision}'; choose one of: {', '.join(PRECISIONS)}.")
-    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    bf16 = precision in ("bf16", "bf16-backbone") or (
+        precision == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
     return torch.bfloat16 if bf16 else torch.float32
+
+
+def store_backbone(model: nn.Module, precision: str) -> nn.Module:
+    """A LoRA model (fedlora.lora) as ``precision`` stores it: with "bf16-backbone" its frozen backbone (every
+    parameter but the LoRA factors and the head's trained copy) in bfloat16 and its layer norms computed in their
+    input's dtype, so that its activations, the residual stream, stay bfloat16; otherwise as it is.
+
+    Under autocast alone the residual stream is float32: a copy to bfloat16 before each matrix product, and every
+    add and norm reads and writes float32. The matrix products see the same bfloat16 weights either way (autocast
+    rounds them the same way on each use); what this changes is that the residual stream and the norms' and
+    embeddings' parameters are rounded to bfloat16 (the norms still accumulate in float32 inside the kernel). The
+    trained parameters, their gradients, the loss and everything privatized stay float32."""
+    if precision != "bf16-backbone":
+        return model
+    for name, param in model.named_parameters():
+        if is_backbone(name):
+            param.data = param.data.to(torch.bfloat16)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm) and all(is_backbone(f"{name}.{p}") for p, _ in module.named_parameters()):
+            module.forward = MethodType(_norm_in_input_dtype, module)
+        if hasattr(module, "cast_input_dtype_enabled"):  # a PEFT LoRA layer: it would copy its bfloat16 input to
+            module.cast_input_dtype_enabled = False  # its factors' float32, and autocast copy that back: same values
+    return model
+
+
+def _norm_in_input_dtype(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    # autocast would compute it in float32 and return float32; the kernel accumulates in float32 anyway
+    with torch.autocast(x.device.type, enabled=False):
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
 
 
 def clients_at_once(client_batch: int, device: torch.device) -> int:

@@ -252,6 +252,10 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     assert abs(100 * alone_s / path_s - share) <= 1  # the printed seconds are rounded
     # the same images both ways, up to the printed rounding (rates to 1, seconds to 0.001)
     assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
+    assert "bf16-backbone" not in text  # fp32 here: no bf16 to compare with
+    bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision="bf16", top=5)
+    assert (tmp_path / "client_profile_cpu_m2_bf16.md").read_text() == bf16 and "precision bf16)" in bf16
+    assert re.search(r"The model alone at precision bf16-backbone \(.*\): [\d.]+ s \(\d+ images/s\)\.", bf16)
 
 
 def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypatch):
@@ -259,10 +263,12 @@ def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypa
     the product's path (the path before, one client at a time, too), images a second from them."""
     from benchmarks import client_throughput
 
-    for path, batch in (("device", 2), ("host", 1)):
-        row = client_throughput.measure("quickstart", None, batch=batch, clients=3, threads=1, path=path)
+    for path, batch, precision in (("device", 2, None), ("host", 1, None), ("device", 2, "bf16-backbone")):
+        row = client_throughput.measure("quickstart", None, batch=batch, clients=3, threads=1, path=path,
+                                        precision=precision)
         trained = 4 if batch == 2 else 3
         assert (row["device"], row["client-batch"], row["path"], row["clients"]) == ("cpu", batch, path, trained)
+        assert row["precision"] == precision or ("fp32" if path == "host" else "auto")
         images = trained * row["local-steps"] * row["batch-size"]
         assert row["images-per-second"] == pytest.approx(images / row["seconds"])
         assert row["seconds-per-client"] == pytest.approx(row["seconds"] / trained) and row["peak-memory-gib"] > 0

@@ -317,6 +317,30 @@ def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
     assert [r["accuracy"] for r in rows[0]] == [r["accuracy"] for r in rows[1]]
 
 
+def test_a_run_with_its_backbone_stored_in_bf16_ends_as_near_the_fp32_run_as_autocast_alone(tmp_path):
+    """precision = "bf16-backbone", clients trained together and the server evaluating: the same noise and epsilon
+    as fp32 and bf16 autocast, and a final state about as near fp32's as autocast's (the residual stream's rounding
+    costs about what the products' rounding costs)."""
+    from fedlora.clients.rounds import _model
+    from fedlora.config import run_config_of
+
+    overrides = {"strategy": "sgmm-ffa-lora", "target-epsilon": 10.0, "simulation-nodes": 2, "client-batch": 3,
+                 "noise-placement": "server", "message": "update"}
+    runs = {p: _run(tmp_path / p, precision=p, **overrides) for p in ("fp32", "bf16", "bf16-backbone")}
+    states = {p: strategy.state.message for p, (strategy, _, _) in runs.items()}
+    assert len({strategy.ledger.report().epsilon for strategy, _, _ in runs.values()}) == 1
+
+    def gap(p: str) -> float:
+        return max(float((states[p][n] - t).norm() / t.norm()) for n, t in states["fp32"].items())
+
+    assert 0 < gap("bf16") and 0 < gap("bf16-backbone") < 2 * gap("bf16")
+    client_model, _ = _model(run_config_of(runs["bf16-backbone"][2]), 4)  # the one the run's clients trained
+    assert {p.dtype for n, p in client_model.named_parameters() if "lora_" not in n and not p.requires_grad} == {
+        torch.bfloat16}
+    rows = [list(map(json.loads, (tmp_path / p / "metrics.jsonl").read_text().splitlines())) for p in runs]
+    assert len(rows[2]) == 2 and all(abs(a["accuracy"] - b["accuracy"]) <= 0.1 for a, b in zip(rows[0], rows[2]))
+
+
 def test_clients_trained_together_release_what_each_releases_alone():
     """FlexLoRA with mixed ranks (A and B trained; no noise, so the release is the update itself): the clients of one
     rank trained in one pass release, each, what it releases trained alone (within 1e-4), and a message's clients

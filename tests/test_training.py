@@ -7,7 +7,7 @@ from torch import nn
 from fedlora.algorithms import LoRAMode
 from fedlora.data import make_synthetic_cifar, to_torch
 from fedlora.lora import build_lora_model
-from fedlora.models import build_backbone
+from fedlora.models import build_backbone, logits
 from fedlora.training import (
     LOCAL_OPTIMIZERS,
     clients_at_once,
@@ -16,6 +16,7 @@ from fedlora.training import (
     local_train,
     local_train_clients,
     stacked_linears,
+    store_backbone,
     to_host,
 )
 from tests.helpers import DEVICES
@@ -123,24 +124,28 @@ def test_precision_auto_is_bf16_on_gpus_only_and_client_batch_auto_batches_on_gp
     cpu = torch.device("cpu")
     assert compute_dtype("auto", cpu) == torch.float32 and compute_dtype("fp32", cpu) == torch.float32
     assert compute_dtype("bf16", cpu) == torch.bfloat16
-    with pytest.raises(ValueError, match="Unknown precision 'fp16'; choose one of: auto, bf16, fp32."):
+    assert compute_dtype("bf16-backbone", cpu) == torch.bfloat16
+    with pytest.raises(ValueError, match="Unknown precision 'fp16'; choose one of: auto, bf16, bf16-backbone, fp32."):
         compute_dtype("fp16", cpu)
     assert clients_at_once(0, cpu) == 1 and clients_at_once(0, torch.device("cuda")) == 16
     assert clients_at_once(4, cpu) == 4
 
 
+@pytest.mark.parametrize("model_name", ["vit-tiny", "timm-vit-tiny"])
 @pytest.mark.parametrize("together", [False, True])
-def test_bf16_autocast_trains_on_a_cpu_and_keeps_what_is_privatized_in_float32(together):
-    """The bf16 path (a GPU's default) runs on a CPU: the products in bfloat16, the adapters, head and loss in float32;
-    it trains the same clients to nearly, not exactly, the fp32 result."""
-    model = build_lora_model("vit-tiny", num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FFA, train_head=True)
+def test_bf16_autocast_trains_on_a_cpu_and_keeps_what_is_privatized_in_float32(together, model_name):
+    """The bf16 paths (a GPU's) run on a CPU: the products in bfloat16, the adapters, head and loss in float32; they
+    train the same clients to nearly, not exactly, the fp32 result. bf16-backbone also stores the frozen backbone
+    in bfloat16, so that its blocks' outputs (the residual stream) are bfloat16 where autocast alone keeps them
+    float32."""
     data = [to_torch(make_synthetic_cifar(8, num_classes=10, seed=s), 32, train=True) for s in range(2)]
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    results = {}
-    for precision in ("fp32", "bf16"):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(start[n])
+    results, streams = {}, {}
+    for precision in ("fp32", "bf16", "bf16-backbone"):
+        model = store_backbone(build_lora_model(model_name, num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FLEX,
+                                                train_head=True), precision)
+        start = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+        blocks = model.base_model.model.vit.layers if model_name == "vit-tiny" else model.base_model.model.blocks
+        blocks[0].register_forward_hook(lambda module, args, out: streams.update({precision: out.dtype}))
         train = {"steps": 1, "batch_size": 2, "lr": 0.01, "optimizer": "adam", "precision": precision}
         if together:
             trained, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m)
@@ -151,13 +156,63 @@ def test_bf16_autocast_trains_on_a_cpu_and_keeps_what_is_privatized_in_float32(t
             torch.manual_seed(3)
             losses = [local_train(model, data[0], generator=torch.Generator().manual_seed(0), **train)]
             params = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-        assert all(t.dtype == torch.float32 for t in params.values())
+        assert all(t.dtype == torch.float32 for t in params.values()) and set(params) == set(start)
+        frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and "lora_" not in n}
+        assert frozen == {torch.bfloat16 if precision == "bf16-backbone" else torch.float32}
         results[precision] = params, losses[0]
-    (fp32, loss32), (bf16, loss16) = results["fp32"], results["bf16"]
-    assert loss16 == pytest.approx(loss32, rel=0.05) and loss16 != loss32
-    change = {n: fp32[n] - start[n] for n in fp32}
-    gap = sum((bf16[n] - fp32[n]).norm() ** 2 for n in fp32) ** 0.5
-    assert 0 < gap < 0.25 * sum(c.norm() ** 2 for c in change.values()) ** 0.5
+    assert streams == {"fp32": torch.float32, "bf16": torch.float32, "bf16-backbone": torch.bfloat16}
+    fp32, loss32 = results["fp32"]
+    change = sum((fp32[n] - start[n]).norm() ** 2 for n in fp32) ** 0.5
+    for precision in ("bf16", "bf16-backbone"):
+        params, loss = results[precision]
+        assert loss == pytest.approx(loss32, rel=0.05) and loss != loss32
+        gap = sum((params[n] - fp32[n]).norm() ** 2 for n in fp32) ** 0.5
+        assert 0 < gap < 0.25 * change
+
+
+def test_a_bf16_backbone_spares_peft_s_copies_of_each_lora_input_without_changing_a_value():
+    """PEFT copies a LoRA layer's input to its factors' dtype (float32), and autocast copies it back to bfloat16 for
+    the product: bf16-backbone turns that off, and the scores are the same bit for bit."""
+    model = store_backbone(build_lora_model("vit-tiny", num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FLEX),
+                           "bf16-backbone")
+    layers = [m for m in model.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert len(layers) == 12 and not any(m.cast_input_dtype_enabled for m in layers)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_()
+    images, scores = torch.randn(2, 3, 32, 32), []
+    for enabled in (False, True):
+        for m in layers:
+            m.cast_input_dtype_enabled = enabled
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            scores.append(logits(model, images))
+    assert torch.equal(*scores)
+
+
+@pytest.mark.parametrize("model_name", ["vit-tiny", "timm-vit-tiny"])
+def test_a_bf16_backbone_copies_between_dtypes_a_third_as_often_as_autocast_alone(model_name):
+    """What bf16-backbone is for: most copies between float32 and bfloat16 (on a GPU each a kernel that reads and
+    writes a whole activation) gone from one forward and backward of clients trained together."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.copy_)
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for precision in ("bf16", "bf16-backbone"):
+        model = store_backbone(build_lora_model(model_name, num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FFA,
+                                                train_head=True), precision)
+        with stacked_linears(model, 2), Copies() as copies:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = logits(model, torch.randn(4, 3, 32, 32))
+            out.float().sum().backward()
+        counts[precision] = copies.count
+    assert 0 < counts["bf16-backbone"] <= counts["bf16"] / 3
 
 
 def test_both_model_families_attend_with_pytorch_sdpa():
