@@ -246,7 +246,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also the path before this work (M = 1, fp32, "
                                                                    "per-image CPU transforms)")
     parser.add_argument("--profile", type=int, metavar="M", help="instead: profile one group of M clients (where "
-                        "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>.md")
+                        "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>[_<precision>].md")
     parser.add_argument("--precision", choices=PRECISIONS, help="another precision than the preset's (auto)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
     parser.add_argument("--path", default="device", choices=sorted(PATHS), help=argparse.SUPPRESS)

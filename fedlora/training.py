@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from types import MethodType
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +54,8 @@ def store_backbone(model: nn.Module, precision: str) -> nn.Module:
     add and norm reads and writes float32. The matrix products see the same bfloat16 weights either way (autocast
     rounds them the same way on each use); what this changes is that the residual stream and the norms' and
     embeddings' parameters are rounded to bfloat16 (the norms still accumulate in float32 inside the kernel). The
-    trained parameters, their gradients, the loss and everything privatized stay float32."""
+    trained parameters, their gradients, the loss and everything privatized stay float32. The model runs under
+    autocast only (``autocast``), as local_train, local_train_clients and evaluate run it."""
     if precision != "bf16-backbone":
         return model
     for name, param in model.named_parameters():
@@ -62,7 +63,7 @@ def store_backbone(model: nn.Module, precision: str) -> nn.Module:
             param.data = param.data.to(torch.bfloat16)
     for name, module in model.named_modules():
         if isinstance(module, nn.LayerNorm) and all(is_backbone(f"{name}.{p}") for p, _ in module.named_parameters()):
-            module.forward = MethodType(_norm_in_input_dtype, module)
+            module.forward = partial(_norm_in_input_dtype, module)  # a partial pickles, a bound method not
         if hasattr(module, "cast_input_dtype_enabled"):  # a PEFT LoRA layer: it would copy its bfloat16 input to
             module.cast_input_dtype_enabled = False  # its factors' float32, and autocast copy that back: same values
     return model

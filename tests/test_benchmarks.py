@@ -268,7 +268,7 @@ def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypa
                                         precision=precision)
         trained = 4 if batch == 2 else 3
         assert (row["device"], row["client-batch"], row["path"], row["clients"]) == ("cpu", batch, path, trained)
-        assert row["precision"] == precision or ("fp32" if path == "host" else "auto")
+        assert row["precision"] == (precision or ("fp32" if path == "host" else "auto"))
         images = trained * row["local-steps"] * row["batch-size"]
         assert row["images-per-second"] == pytest.approx(images / row["seconds"])
         assert row["seconds-per-client"] == pytest.approx(row["seconds"] / trained) and row["peak-memory-gib"] > 0

@@ -318,8 +318,8 @@ def test_several_clients_per_message_make_the_same_run(tmp_path, overrides):
 
 
 def test_a_run_with_its_backbone_stored_in_bf16_ends_as_near_the_fp32_run_as_autocast_alone(tmp_path):
-    """precision = "bf16-backbone", clients trained together and the server evaluating: the same noise and epsilon
-    as fp32 and bf16 autocast, and a final state about as near fp32's as autocast's (the residual stream's rounding
+    """precision = "bf16-backbone", clients trained together and the server evaluating: the same epsilon as fp32 and
+    bf16 autocast, and a final state about as near fp32's as autocast's (the residual stream's rounding
     costs about what the products' rounding costs)."""
     from fedlora.clients.rounds import _model
     from fedlora.config import run_config_of
