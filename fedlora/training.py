@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fedlora.data import DeviceImages, batch_of
-from fedlora.lora import is_backbone
 from fedlora.models import logits
 
 
@@ -58,6 +57,8 @@ def store_backbone(model: nn.Module, precision: str) -> nn.Module:
     autocast only (``autocast``), as local_train, local_train_clients and evaluate run it."""
     if precision != "bf16-backbone":
         return model
+    from fedlora.lora import is_backbone  # here: the config imports this module, and must not load PEFT
+
     for name, param in model.named_parameters():
         if is_backbone(name):
             param.data = param.data.to(torch.bfloat16)
