@@ -320,8 +320,7 @@ class Protocol:
         self.load_global(model, state, base)
         phase = self.phase(round_)
         self._set_trainable(model, phase)
-        start = self.client_message(model, phase)
-        start = dict(zip(start, to_host(start.values())))
+        start = self.client_message_on_host(model, phase)
         generators = [torch.Generator().manual_seed(derive_seed(self.config.seed, "batches", release, p))
                       for p in partition_ids]
         # the training transform's random flips draw from torch's global generator: seeded per client round, or
@@ -332,8 +331,7 @@ class Protocol:
         if len(datasets) == 1:
             torch.manual_seed(augment[0])
             losses = [local_train(model, datasets[0], generator=generators[0], **train)]
-            message = self.client_message(model, phase)
-            messages = [dict(zip(message, to_host(message.values())))]
+            messages = [self.client_message_on_host(model, phase)]
         else:
             trained, losses = local_train_clients(model, datasets, generators=generators, augment_seeds=augment,
                                                   **train)
@@ -354,6 +352,11 @@ class Protocol:
             out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
             rounds.append(ClientRound(out, loss, trained.train_seconds, time.perf_counter() - privatizing, bit))
         return rounds
+
+    def client_message_on_host(self, model, phase: str) -> Message:
+        """``client_message`` copied to the host in one copy."""
+        message = self.client_message(model, phase)
+        return dict(zip(message, to_host(message.values())))
 
     def client_messages(self, model, phase: str, trained: dict[str, torch.Tensor]) -> list[Message]:
         """Each client's ``client_message`` on the host, from the clients' trained parameters stacked (parameter
