@@ -364,13 +364,12 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
         if config.noise_source == "seeded":
             print('  noise: seeded from the run seed (a reproducible simulation: whoever holds the seed removes it; '
                   'set noise-source = "os" for anything released)')
-        budget = config.budget()
+        budget, ledger = config.budget(), plan.new_ledger(config)
         if budget is not None and plan.planned.epsilon > budget:
-            if plan.new_ledger(config).would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)],
-                                                            sampling_of(config)):
+            if ledger.would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)], sampling_of(config)):
                 raise CLIError(f"The budget epsilon = {budget:g} does not cover one round at noise multiplier "
                                f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
-            print(f"  budget: epsilon = {budget:g} ({protocol.mechanism.trust_model}); the run stops before the round that "
+            print(f"  budget: epsilon = {budget:g} ({ledger.trust_model}); the run stops before the round that "
                   "would pass it")
     return out_dir
 

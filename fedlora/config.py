@@ -166,9 +166,10 @@ class RunConfig:
     tracker: str = _opt("tensorboard", "where each round's metrics go besides metrics.jsonl: TensorBoard event files in "
                                        "the run directory (`tensorboard --logdir runs/`), or nowhere else",
                         choices=TRACKERS)
-    seed: int = _opt(0, "seed of the model init, data, sampling, sketches and (simulation) noise", low=0)
-    noise_source: str = _opt("seeded", "the noise: seeded from the run seed (reproducible simulations only: anyone with "
-                                       "the seed removes it, so every epsilon says so, and a run outside a simulation "
+    seed: int = _opt(0, "seed of the model init, data, sketches and, in seeded simulations, the noise and the sampling", low=0)
+    noise_source: str = _opt("seeded", "the noise and each round's sample of clients: seeded from the run seed "
+                                       "(reproducible simulations only: anyone with the seed removes the noise and "
+                                       "knows who took part, so every epsilon says so, and a run outside a simulation "
                                        "refuses it) or the OS's secure randomness (anything released)",
                              choices=("seeded", "os"))
     client_cpus: int = _opt(1, "CPUs per simulated client (Ray)", low=1)

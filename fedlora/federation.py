@@ -422,6 +422,15 @@ class Protocol:
             return os_generator()
         return np.random.default_rng(derive_seed(self.config.seed, "secure-noise", release, partition_id))
 
+    def sampling_generator(self, release: int) -> np.random.Generator:
+        """The generator of a release's sample: seeded in simulations that ask for it, else seeded from the OS's
+        secure randomness. Every SuperNode receives the run seed (and it defaults to 0), so a sample drawn from it
+        would be known to every client, and the epsilon against observers of the model, amplified because they do
+        not know who took part, would not hold against them."""
+        if self.config.noise_source != "seeded":
+            return os_generator()
+        return np.random.default_rng(derive_seed(self.config.seed, "sampling", release))
+
     def simulation_noise(self, release: int, partition_id: int) -> torch.Generator:
         """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
         return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", release, partition_id))

@@ -20,7 +20,7 @@ from flwr.supercore import log
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED, Checkpoint
 from fedlora.mechanisms import NoisePlacement
-from fedlora.federation import ASSIGNED, LORA, PACKED, GlobalState, Protocol, derive_seed, num_bytes, packed_key
+from fedlora.federation import ASSIGNED, LORA, PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
 from fedlora.strategies.replies import gather
 from fedlora.strategies.secure_aggregation import secure_sum
@@ -257,15 +257,6 @@ class FedLoRAStrategy(Strategy):
                 told = len(node_ids)
             time.sleep(1.0)
 
-    def _sample(self, release: int) -> list[int]:
-        """The partitions of a release: a seeded draw, independent of which nodes happen to be online (the
-        accountant assumes exactly this sampling; a sampled node that is gone is a lost reply)."""
-        rng = np.random.default_rng(derive_seed(self.config.seed, "sampling", release))
-        c = self.sampling.num_clients
-        if self.sampling.kind.value == "fixed":
-            return sorted(rng.choice(c, self.sampling.clients_per_round, replace=False).tolist())
-        return [p for p, u in enumerate(rng.random(c)) if u < self.sampling.rate]
-
     # -- Flower's strategy interface -------------------------------------------------------------
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord,
                         grid: Grid) -> Iterable[Message]:
@@ -291,7 +282,9 @@ class FedLoRAStrategy(Strategy):
         self.replay, self.in_flight = False, True
         self.save()  # before anything leaves: a crash from here on must not forget this release
         release = self.releases
-        partitions = self._sample(release)
+        # independent of which nodes happen to be online (the accountant assumes exactly this sampling; a sampled
+        # node that is gone is a lost reply)
+        partitions = self.sampling.draw(self.protocol.sampling_generator(release))
         c = self.protocol
         round_config = ConfigRecord({
             **dict(config), "server-round": server_round, "release": release, "produced-by": self.state.produced_by,

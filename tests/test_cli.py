@@ -254,3 +254,16 @@ def test_privacy_and_describe_of_a_preset(capsys):
     assert "per round, 500 clients: ffa-lora" in capsys.readouterr().out
     assert main(["describe", "--config", str(gpu), "--rank", "8"]) == 2
     assert capsys.readouterr().err == "fedlora: error: --config takes every value from the preset; drop --rank.\n"
+
+
+def test_the_budget_line_names_whose_epsilon_it_limits(capsys, tmp_path):
+    """The budget limits the target observer's epsilon: its line says whose, as the rounds' lines do."""
+    from argparse import Namespace
+
+    from fedlora.cli import _prepare
+    from fedlora.config import load_config
+
+    config = load_config("small_cohort", ["noise-multiplier=2.0", "target-epsilon=6", 'target-observer="server"'])
+    _prepare(Namespace(out=str(tmp_path / "run")), config, "run")
+    budget = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  budget:"))
+    assert "budget: epsilon = 6 (" in budget and "against the server (sample known)" in budget

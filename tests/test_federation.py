@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from flwr.app import Context, RecordDict
@@ -10,9 +11,9 @@ from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
-from fedlora.config import SIMULATION_KEY, run_config_of
-from fedlora.experiment import noise_for, reconstruct
-from fedlora.federation import DENSE, overlapped
+from fedlora.config import SIMULATION_KEY, RunConfig, run_config_of
+from fedlora.experiment import noise_for, reconstruct, sampling_of
+from fedlora.federation import DENSE, Protocol, overlapped
 from fedlora.models import build_backbone
 from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
@@ -177,6 +178,20 @@ def test_sampling_follows_partitions_not_node_ids(tmp_path):
     calls_b, state_b = run(tmp_path / "b", [8, 2 ** 62, 1, 2 ** 64 - 1, 12345])
     assert calls_a == calls_b
     assert all(torch.equal(state_a[n], state_b[n]) for n in state_a)
+
+
+def test_the_sample_comes_from_the_run_seed_only_with_seeded_noise(tmp_path):
+    """Every SuperNode receives the run seed (0 unless set): a sample drawn from it would be known to every client,
+    and the epsilon against observers of the model, amplified because they do not know who took part, would not
+    hold against them. So with OS noise the sample comes from the OS too; seeded simulations stay reproducible."""
+    def draws(noise_source):
+        config = RunConfig.from_mapping({**SMALL, "num-clients": 100, "clients-per-round": 10,
+                                         "noise-source": noise_source})
+        protocol = Protocol(config, 1.0)
+        return [sampling_of(config).draw(protocol.sampling_generator(release)) for release in range(1, 6)]
+
+    assert draws("seeded") == draws("seeded")
+    assert draws("os") != draws("os") and draws("os") != draws("seeded")
 
 
 def test_a_simulation_names_each_client_s_partition_instead_of_asking_the_nodes(tmp_path):
@@ -489,7 +504,7 @@ def test_given_the_noise_its_sum_carried_secure_aggregation_is_the_server_placem
         assert torch.allclose(server.state.message[name], t, atol=1e-3), name
 
 
-def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_simulation(tmp_path):
+def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_simulation(tmp_path, monkeypatch):
     """A ServerApp that no simulation runs (`flwr run .` against SuperNodes) refuses noise and a secret sketch that
     the run seed gives away, before any work; with OS noise it runs, and its epsilons are not labelled seeded."""
 
@@ -506,7 +521,9 @@ def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_s
         run()
     with pytest.raises(RuntimeError, match='sketch-secret = "run-seed" lets the server derive the secret sketch'):
         run(**{"noise-source": "os", "threat-model": "secret-sketch"})
+    monkeypatch.setattr("fedlora.federation.os_generator", lambda: np.random.default_rng(2 ** 70))  # stands for the OS
     strategy = run(**{"noise-source": "os", "num-rounds": 1})
+    assert strategy.rounds[1]["partitions"] == sampling_of(strategy.config).draw(np.random.default_rng(2 ** 70))
     assert strategy.rounds_done == 1 and "seeded" not in strategy.ledger.trust_model
     assert set(strategy.ledger.history[-1]["epsilons"]) == {"model", "server"}
 

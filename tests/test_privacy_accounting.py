@@ -404,3 +404,13 @@ def test_the_other_observers_are_the_finite_epsilons_besides_the_calibrated_one(
     assert other_observers(secagg, Observer.SERVER) == [(8.0, OBSERVER_LABELS[Observer.MODEL]),
                                                         (830.0, OBSERVER_LABELS[Observer.ONE_REPLY])]
     assert other_observers({"model": 8.0, "server": math.inf}, "model") == []  # noise added by the server
+
+
+@pytest.mark.parametrize("scheme", [SamplingScheme("fixed", 5, clients_per_round=3), SamplingScheme("poisson", 5, rate=0.6)])
+def test_a_draw_takes_each_client_with_probability_q(scheme):
+    """The accountant assumes N of C uniformly (or each client with probability q), whoever is online."""
+    rng = np.random.default_rng(0)
+    draws = [scheme.draw(rng) for _ in range(300)]
+    counts = np.bincount([c for d in draws for c in d], minlength=5)
+    assert all(d == sorted(set(d)) for d in draws) and counts.min() > 130 and counts.max() < 230  # 180 expected each
+    assert all(len(d) == 3 for d in draws) if scheme.kind.value == "fixed" else len({len(d) for d in draws}) > 2

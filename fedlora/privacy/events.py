@@ -10,6 +10,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+import numpy as np
+
 
 class Sampling(str, Enum):
     FIXED = "fixed"  # exactly N of C clients without replacement (the paper); replace-one neighbours
@@ -131,6 +133,13 @@ class SamplingScheme:
     def q(self) -> float:
         """Probability that a given client takes part in a round."""
         return self.clients_per_round / self.num_clients if self.kind is Sampling.FIXED else self.rate
+
+    def draw(self, rng: np.random.Generator) -> list[int]:
+        """One round's clients, sorted: ``clients_per_round`` of them without replacement, or each with probability
+        ``rate``. Amplification by sampling holds only against whoever cannot predict ``rng``."""
+        if self.kind is Sampling.FIXED:
+            return sorted(rng.choice(self.num_clients, self.clients_per_round, replace=False).tolist())
+        return [c for c, u in enumerate(rng.random(self.num_clients)) if u < self.rate]
 
 
 
