@@ -31,7 +31,7 @@ def _startup_seconds() -> float:
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Which partition this node holds (the server samples partitions, so a seed fixes the run) and, when the
+    """Which partition this node holds (the server samples partitions, so a seed fixes a seeded run) and, when the
     nodes hold the sketch secret, its fingerprint."""
     from fedlora.config import run_config_of
     from fedlora.node import NodeSettings, secret_fingerprint

@@ -519,8 +519,8 @@ def deploy(args: argparse.Namespace) -> None:
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
     config = load_config(args.config, preset + args.set)
     if config.noise_source != "os":
-        raise CLIError('Deployments draw client noise from the OS: set noise-source = "os" (with "seeded" anyone '
-                       "who knows the run seed could remove the noise).")
+        raise CLIError('Deployments draw the noise and the sample of clients from the OS: set noise-source = "os" '
+                       '(with "seeded" anyone who knows the run seed could remove the noise and know who took part).')
     if config.threat_model == "secret-sketch" and get_algorithm(config.strategy).sketched:
         if given.get("sketch-secret") == "run-seed":
             raise CLIError('sketch-secret = "run-seed" would give the server the secret sketch: deployments read it '

@@ -373,9 +373,10 @@ class RunConfig:
         problems = []
         algorithm = get_algorithm(self.strategy)
         if self.noise_source == "seeded" and algorithm.private:
-            problems.append('noise-source = "seeded" derives every noise draw from the run seed, so anyone who holds '
-                            'it removes the noise: outside a simulation set noise-source = "os" (for a simulation '
-                            "federation of `flwr run .`, set simulation = true).")
+            problems.append('noise-source = "seeded" derives every noise draw from the run seed, and the sample of '
+                            'clients, so anyone who holds it removes the noise and knows who took part: outside a '
+                            'simulation set noise-source = "os" (for a simulation federation of `flwr run .`, set '
+                            "simulation = true).")
         if self.threat_model == "secret-sketch" and algorithm.sketched and self.sketch_secret == "run-seed":
             problems.append('sketch-secret = "run-seed" lets the server derive the secret sketch: outside a simulation '
                             'set sketch-secret = "node-file" (each SuperNode reads it from its sketch-secret-file).')

@@ -179,7 +179,7 @@ def test_run_resume_refuses_a_deployment(capsys, tmp_path):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--set", "noise-source=seeded"], "noise from the OS"),
+    (["--set", "noise-source=seeded"], "the sample of clients from the OS"),
     (["--set", "threat-model=secret-sketch", "--set", "sketch-secret=run-seed"], "would give the server"),
     (["--set", "threat-model=secret-sketch", "--insecure"], "drop --insecure"),
     (["--insecure", "--credentials", "creds"], "exclude each other"),
