@@ -37,11 +37,34 @@ def _positive(text: str) -> int:
     return value
 
 
+def _path_arg(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
+def _output_dir(path, flag: str):
+    """``path`` made, if need be, as the directory a command writes to: a CLIError before any work if it cannot be."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise CLIError(f"{flag} '{path}' is a file, not a directory.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise CLIError(f"{flag} '{path}' cannot be made: {error.strerror or error}.") from None
+    return path
+
+
 def _float_arg(text: str) -> float:
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"'{text}' is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"'{text}' is not a finite number")
+    return value
 
 
 def describe(args: argparse.Namespace) -> dict:
@@ -351,6 +374,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     if not resuming and (out_dir / STATE_FILE).is_file():
         raise CLIError(f"'{out_dir}' holds a run already: continue it with `fedlora run --resume {out_dir}`, or "
                        "choose another --out.")
+    _output_dir(out_dir, "--out")
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
@@ -407,6 +431,7 @@ def _done(rows: list[dict], out_dir, config) -> None:
 
 def run(args: argparse.Namespace) -> None:
     """Validate, calibrate, then run (or continue) the simulated federation on a local SuperLink."""
+    from fedlora.cluster import check_local_resources
     from fedlora.config import load_config
 
     if args.resume:
@@ -416,6 +441,8 @@ def run(args: argparse.Namespace) -> None:
         raise CLIError('sketch-secret = "node-file" needs SuperNodes that hold the secret: use `fedlora deploy`; '
                        "simulations derive it from the run seed.")
     address = _cluster_address(args)
+    if address is None:
+        check_local_resources(config)
     out_dir = _prepare(args, config, "run")
     _check_cluster(address, config)
     from fedlora.launch import run_simulation  # Flower and Ray load after the checks, whose errors come at once
@@ -425,10 +452,13 @@ def run(args: argparse.Namespace) -> None:
 
 def resume(args: argparse.Namespace) -> None:
     """Continues a simulation from its checkpoint, with its own config (on the cluster given now, if any)."""
+    from fedlora.cluster import check_local_resources
     from fedlora.launch import run_simulation
 
     address = _cluster_address(args)
     out_dir, config, _ = _resumable(args, "run")
+    if address is None:
+        check_local_resources(config)
     _check_cluster(address, config)
     _done(run_simulation(config, out_dir, resume=True, ray_address=address, began=_command_start()), out_dir, config)
 
@@ -576,8 +606,9 @@ def audit(args: argparse.Namespace) -> dict:
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
     out_dir = Path(args.out or f"runs/audit-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.is_dir() and any(out_dir.iterdir()):
         raise CLIError(f"'{out_dir}' is not empty: choose another --out.")
+    _output_dir(out_dir, "--out")
     algorithm = get_algorithm(config.strategy)
     mechanism = make_mechanism(algorithm, clip_norm=config.clip_norm, noise_multiplier=plan.noise_multiplier,
                                sketch_dim=config.effective_sketch_dim(), threat_model=config.threat_model,
@@ -671,8 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--config", help="a TOML preset file, or a packaged preset by name (quickstart, fashion_mnist, "
                                     "small_cohort, cifar100_private, paper_cifar100); default: the quickstart")
     add_overrides(r)
-    r.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
-    r.add_argument("--resume", metavar="DIR", help="continue the run in DIR from its last checkpoint (after a crash, "
+    r.add_argument("--out", type=_path_arg, help="run directory (default: runs/<strategy>-<time>)")
+    r.add_argument("--resume", metavar="DIR", type=_path_arg, help="continue the run in DIR from its last checkpoint (after a crash, "
                                                    "a kill or a stop), with its own config")
     r.add_argument("--ray-address", metavar="HOST:PORT", help="run the clients on the Ray cluster whose head is there "
                                                              "(default: RAY_ADDRESS if set, else a Ray of its own on "
@@ -687,16 +718,16 @@ def build_parser() -> argparse.ArgumentParser:
     dp = commands.add_parser("deploy", help="a SuperLink and one SuperNode per client on this machine, one run")
     dp.add_argument("--config", help="a TOML preset; default: two SuperNodes, two rounds of sgmm-ffa-lora, tiny ViT")
     add_overrides(dp)
-    dp.add_argument("--out", help="run directory (default: runs/<strategy>-<time>)")
+    dp.add_argument("--out", type=_path_arg, help="run directory (default: runs/<strategy>-<time>)")
     dp.add_argument("--credentials", help="a folder written by `fedlora credentials` (default: new, in the run "
                                           "directory)")
     dp.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication")
-    dp.add_argument("--resume", metavar="DIR", help="continue the deployment in DIR from its last checkpoint (after "
+    dp.add_argument("--resume", metavar="DIR", type=_path_arg, help="continue the deployment in DIR from its last checkpoint (after "
                                                     "its SuperLink or ServerApp died), with its config and security")
 
     cr = commands.add_parser("credentials", help="TLS certificates, SuperNode keys and the sketch secret, one "
                                                  "folder per machine")
-    cr.add_argument("dir")
+    cr.add_argument("dir", type=_path_arg)
     cr.add_argument("--host", action="append", default=[], help="a name or IP the SuperNodes reach the SuperLink by "
                                                                "(repeatable; default 127.0.0.1 and localhost)")
     cr.add_argument("--nodes", type=_positive, default=2, help="SuperNodes (default 2)")
@@ -714,7 +745,7 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
                                                                "clients, at most 300, none if that is under 100; "
                                                                "0 skips the run)")
-    au.add_argument("--out", help="audit directory (default: runs/audit-<strategy>-<time>)")
+    au.add_argument("--out", type=_path_arg, help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 
     pt = commands.add_parser("pretrain", help="rebuild an offline public backbone (vit-tiny-public from synthetic "
@@ -722,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
                                               "split) and print its sha256")
     pt.add_argument("--dataset", default="synthetic", choices=("synthetic", "fashion-mnist"),
                     help="the public data (default: synthetic, for vit-tiny-public)")
-    pt.add_argument("--out", help="where to write it (default: the packaged file its model loads)")
+    pt.add_argument("--out", type=_path_arg, help="where to write it (default: the packaged file its model loads)")
     pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default: the recipe's, 1000 on "
                                                                    "synthetic, 6000 on fashion-mnist)")
 
@@ -792,6 +823,10 @@ def main(argv: list[str] | None = None) -> int:
             from fedlora.data import fashion_mnist_unavailable_reason
             if args.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
                 raise CLIError(reason)
+            if args.out and Path(args.out).is_dir():
+                raise CLIError(f"--out '{args.out}' is a directory: name the weights file to write.")
+            if args.out:
+                _output_dir(Path(args.out).parent, "--out's folder")
             pretrain.pretrain(args.dataset, Path(args.out) if args.out else None, steps=args.steps)
         elif args.command == "reconstruct":
             from fedlora.experiment import reconstruct

@@ -52,6 +52,21 @@ class ClusterNode:
         return f"{self.ip} ({self.node_id[:8]})"
 
 
+def check_local_resources(config: RunConfig) -> None:
+    """A ValueError, one line, if this machine cannot hold one client at client-cpus and client-gpus: Ray started
+    here would have no worker, and the run would fail after its start."""
+    gpus = 0
+    if config.client_gpus > 0:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    here = ClusterNode(LOCAL, "127.0.0.1", float(os.cpu_count() or 1), float(gpus))
+    if here.clients(config) < 1:
+        raise ValueError(f"This machine has {here.cpus:g} CPUs and {gpus} GPUs, less than one client asks "
+                         f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): lower them, "
+                         "or join a Ray cluster that has them (--ray-address).")
+
+
 def ray_address(given: str | None = None) -> str | None:
     """The cluster a run joins: ``given`` (--ray-address), else RAY_ADDRESS; None: Ray starts on this machine."""
     address = (given or os.environ.get(RAY_ADDRESS_ENV) or "").strip()

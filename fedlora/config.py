@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import math
 from functools import lru_cache
 import sys
 from dataclasses import dataclass, field, fields
@@ -166,7 +167,8 @@ class RunConfig:
     tracker: str = _opt("tensorboard", "where each round's metrics go besides metrics.jsonl: TensorBoard event files in "
                                        "the run directory (`tensorboard --logdir runs/`), or nowhere else",
                         choices=TRACKERS)
-    seed: int = _opt(0, "seed of the model init, data, sketches and, in seeded simulations, the noise and the sampling", low=0)
+    seed: int = _opt(0, "seed of the model init, data, sketches and, in seeded simulations, the noise and the sampling",
+                     low=0, high=2 ** 63 - 1)
     noise_source: str = _opt("seeded", "the noise and each round's sample of clients: seeded from the run seed "
                                        "(reproducible simulations only: anyone with the seed removes the noise and "
                                        "knows who took part, so every epsilon says so, and a run outside a simulation "
@@ -240,7 +242,9 @@ class RunConfig:
                 problems.append(_choice_problem(key, value, meta["choices"]))
                 continue
             low, high = meta["low"], meta["high"]
-            if low is not None and (value < low or (meta["low_open"] and value == low)):
+            if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
+                problems.append(f"{key} must be a finite number, got {value}.")
+            elif low is not None and (value < low or (meta["low_open"] and value == low)):
                 problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
             elif high is not None and (value > high or (meta["high_open"] and value == high)):
                 problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {high:g}, got {value}.")
@@ -260,6 +264,9 @@ class RunConfig:
         if self.clients_per_round > self.num_clients:
             problems.append(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
                             f"({self.num_clients}).")
+        if self.dataset == "synthetic" and self.train_examples < self.num_clients:
+            problems.append(f"train-examples ({self.train_examples}) cannot be fewer than num-clients "
+                            f"({self.num_clients}): every client needs at least one example.")
         if self.simulation_nodes > self.num_clients:
             problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")

@@ -97,6 +97,10 @@ def make_credentials(root: str | os.PathLike[str], *, hosts: tuple[str, ...] = (
     if not hosts:
         raise ValueError("Name at least one host the SuperNodes will reach the SuperLink by (--host).")
     creds = Credentials(Path(root), nodes)
+    if creds.root.exists() and (not creds.root.is_dir() or any(creds.root.iterdir())):
+        raise ValueError(f"'{creds.root}' is {'not empty' if creds.root.is_dir() else 'a file'}: credentials are never "
+                         "written over (the CA, the node keys and the sketch secret would be lost); choose a new "
+                         "directory.")
     for folder in ("ca", "superlink", *[f"supernode-{i}" for i in range(nodes)]):
         (creds.root / folder).mkdir(parents=True, exist_ok=True)
 

@@ -32,6 +32,7 @@ from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, wait_for_live_nodes
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
+from fedlora.strategies.replies import EXCEPTION_LINE
 from fedlora.tracking import clear_progress, read_progress
 
 CONNECTION = "fedlora-local"
@@ -260,7 +261,6 @@ def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list
 
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
-EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt|Exit): ")  # a traceback's last line
 
 
 def last_error(log: Path, limit: int = 200) -> str | None:

@@ -22,7 +22,7 @@ from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED
 from fedlora.mechanisms import NoisePlacement
 from fedlora.federation import ASSIGNED, LORA, PACKED, GlobalState, Protocol, num_bytes, packed_key
 from fedlora.privacy import PrivacyLedger, SamplingScheme
-from fedlora.strategies.replies import gather
+from fedlora.strategies.replies import error_line, gather
 from fedlora.strategies.secure_aggregation import secure_sum
 
 
@@ -175,8 +175,12 @@ class FedLoRAStrategy(Strategy):
         for attempt in range(self.config.round_retries + 1):
             if self.ledger is not None and not self.replay and self.ledger.would_exceed_budget(*self._release(server_round)):
                 after = self.ledger.report_after(*self._release(server_round)).epsilon
-                self._stop(BUDGET_SPENT, f"round {server_round} would bring epsilon to {after:.3f} "
-                                         f"({self.ledger.trust_model}), past the budget {self.ledger.target_epsilon:g}")
+                past = (f"round {server_round} would bring epsilon to {after:.3f} ({self.ledger.trust_model}), past "
+                        f"the budget {self.ledger.target_epsilon:g}")
+                if attempt:  # the round failed, and the budget leaves no retry: the clients' failure is the news
+                    self._stop(STALLED, f"{self._shortfall(server_round)}, and a retry of {past}")
+                else:
+                    self._stop(BUDGET_SPENT, past)
                 return None
             messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
             if self.protocol.placement is NoisePlacement.SECAGG:
@@ -188,13 +192,17 @@ class FedLoRAStrategy(Strategy):
                 return arrays
             if self.status == RESTART:
                 return None
-            info = self.rounds[server_round]
-            log(WARNING, "Round %s: %s valid replies of %s sampled, %s needed%s", server_round, info["replies"],
-                info["sampled"], info["needed"], "; retrying with new clients" if attempt < self.config.round_retries
-                else "")
-        self._stop(STALLED, f"round {server_round} got too few valid replies in {self.config.round_retries + 1} "
-                            "tries")
+            log(WARNING, "%s%s", self._shortfall(server_round),
+                "; retrying with new clients" if attempt < self.config.round_retries else "")
+        self._stop(STALLED, f"{self._shortfall(server_round)}, in each of {self.config.round_retries + 1} tries")
         return None
+
+    def _shortfall(self, server_round: int) -> str:
+        """What a round that got too few valid replies got, and the first failure's reason."""
+        info = self.rounds[server_round]
+        first = f" (the first: {info['first_failure']})" if info.get("first_failure") else ""
+        return (f"round {server_round} got {info['replies']} valid replies of {info['sampled']} sampled, "
+                f"{info['needed']} needed; {info['failed']} failed and {info['rejected']} were rejected{first}")
 
     def _stop(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -343,8 +351,9 @@ class FedLoRAStrategy(Strategy):
             if self.simulated and error.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
                 self.status, self.reason = RESTART, "a simulation worker died"
             who = f"the client of partition {partition}" if partition is not None else "a sampled client"
-            log(WARNING, "Round %s: %s failed: %s", server_round, who,
-                error.reason.splitlines()[0][:300] if error.reason else error.code)
+            why = error_line(error)
+            log(WARNING, "Round %s: %s failed: %s", server_round, who, why)
+            self.rounds[server_round].setdefault("first_failure", f"{who} failed: {why}")
             return None
         problem = None
         if partition not in pending:
@@ -360,6 +369,8 @@ class FedLoRAStrategy(Strategy):
                 clip_norm=self.clip_norm, clip_bit=bit)
         if problem:
             log(WARNING, "Round %s: rejected the reply of partition %s: %s.", server_round, partition, problem)
+            self.rounds[server_round].setdefault("first_failure", f"the reply of partition {partition} was rejected: "
+                                                                  f"{problem}")
             return None
         pending.discard(partition)  # one reply per sampled client
         metrics = records.metric_records.get("metrics", MetricRecord())
@@ -419,9 +430,10 @@ class FedLoRAStrategy(Strategy):
             if isinstance(why, Error):
                 if self.simulated and why.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
                     self.status, self.reason = RESTART, "a simulation worker died"
-                why = why.reason.splitlines()[0][:300] if why.reason else why.code
+                why = error_line(why)
             log(WARNING, "Round %s: the client of partition %s left SecAgg+: %s", server_round,
                 partition_of.get(node), why)
+            info.setdefault("first_failure", f"the client of partition {partition_of.get(node)} left SecAgg+: {why}")
         info.update(replies=len(result.summed), failed=len(result.failed), rejected=0, train_loss=float("nan"),
                     bytes_up=float(np.mean(list(result.bytes_up.values()))) if result.bytes_up else 0.0,
                     bytes_down=info["bytes_down"] + float(np.mean(list(result.bytes_down.values()))))

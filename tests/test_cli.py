@@ -267,3 +267,31 @@ def test_the_budget_line_names_whose_epsilon_it_limits(capsys, tmp_path):
     _prepare(Namespace(out=str(tmp_path / "run")), config, "run")
     budget = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  budget:"))
     assert "budget: epsilon = 6 (" in budget and "against the server (sample known)" in budget
+
+
+def test_paths_it_cannot_write_numbers_not_finite_and_resources_it_lacks_are_refused_in_one_line(capsys, tmp_path):
+    """Before any work: the run would otherwise start Flower and Ray and end in a traceback, or with no worker;
+    pretraining would train first; credentials written over would lose the CA, the node keys and the sketch
+    secret."""
+    afile, full = tmp_path / "afile", tmp_path / "credentials"
+    afile.write_text("")
+    assert main(["credentials", str(full)]) == 0
+    secret = sorted(p.read_bytes() for p in full.rglob("*") if p.is_file())
+    capsys.readouterr()
+    for argv, message in [(["run", "--out", str(afile)], f"--out '{afile}' is a file, not a directory."),
+                          (["run", "--out", str(afile / "sub")], f"--out '{afile / 'sub'}' cannot be made: "),
+                          (["run", "--resume", ""], "argument --resume: an empty path"),
+                          (["deploy", "--out", str(afile)], "is a file, not a directory."),
+                          (["audit", "--out", str(afile), "--canaries", "0", "--trials", "100"], "is a file"),
+                          (["pretrain", "--out", str(afile / "x")], f"--out's folder '{afile}' is a file"),
+                          (["pretrain", "--out", str(tmp_path)], "is a directory: name the weights file to write."),
+                          (["credentials", str(afile)], "is a file: credentials are never written over"),
+                          (["credentials", str(full)], "is not empty: credentials are never written over"),
+                          (["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "inf"], "not a finite"),
+                          (["run", "--set", "lr=nan"], "lr must be a finite number, got nan."),
+                          (["run", "--set", "client-cpus=100000"], "less than one client asks (client-cpus = 100000")]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+    assert sorted(p.read_bytes() for p in full.rglob("*") if p.is_file()) == secret
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "credentials"]

@@ -73,6 +73,11 @@ BAD_CONFIGS = [
     ({"label-column": "y"}, "image-column and label-column name the columns of an hf: or folder: dataset; synthetic "
                             "has its own."),
     ({"num-classes": 1}, "num-classes must be 0 (the data's) or at least 2, got 1."),
+    ({"lr": float("nan")}, "lr must be a finite number, got nan."),  # NaN passes every comparison
+    ({"noise-multiplier": float("inf")}, "noise-multiplier must be a finite number, got inf."),
+    ({"seed": 2 ** 64}, "seed must be <="),
+    ({"num-clients": 8, "clients-per-round": 4, "train-examples": 3},
+     "train-examples (3) cannot be fewer than num-clients (8): every client needs at least one example."),
     ({"model": "vit-huge"}, "model must be one of"),
 ]
 

@@ -163,6 +163,22 @@ def test_a_run_without_replies_stalls_after_its_retries_and_counts_every_try(tmp
     assert not (tmp_path / "adapter").exists()
 
 
+def test_a_round_whose_clients_all_fail_is_a_stall_naming_their_error_even_where_the_budget_stops_a_retry(tmp_path):
+    """Calibrated for one round, a retry would pass the budget: the run still stalls (a failure, not a normal end),
+    and says what the clients said, which otherwise only flower.log holds."""
+    def broken(message, context):
+        if message.metadata.message_type == "train":
+            raise RuntimeError("Cannot split 3 examples into 5 partitions.")
+        return client_app(message, context)
+
+    strategy, _ = _run(tmp_path, broken, num_rounds=1)
+    assert strategy.status == STALLED and strategy.ledger.rounds == 1
+    assert strategy.reason.startswith("round 1 got 0 valid replies of 3 sampled, 2 needed; 3 failed and 0 were "
+                                      "rejected (the first: the client of partition ")
+    assert "Cannot split 3 examples into 5 partitions." in strategy.reason
+    assert ", and a retry of round 1 would bring epsilon to " in strategy.reason
+
+
 def test_the_budget_stops_the_run_before_it_is_passed(tmp_path):
     three_rounds = noise_for(RunConfig.from_mapping({**SMALL, "noise-multiplier": 1.0})).planned.epsilon
     strategy, _ = _run(tmp_path, noise_multiplier=1.0, num_rounds=6, target_epsilon=three_rounds * 1.0001)
