@@ -75,11 +75,21 @@ class Checkpoint:
 
     @classmethod
     def load(cls, run_dir: Path) -> Checkpoint:
-        from safetensors import safe_open
+        from safetensors import SafetensorError
 
         path = Path(run_dir) / STATE_FILE
         if not path.is_file():
             raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
+        try:
+            return cls._read(path, run_dir)
+        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as error:
+            raise ValueError(f"'{path}' is damaged ({type(error).__name__}: {error}): restore it from a copy, or "
+                             "start the run again.") from None
+
+    @classmethod
+    def _read(cls, path: Path, run_dir: Path) -> Checkpoint:
+        from safetensors import safe_open
+
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata()
             if int(metadata.get("format", 1)) not in READABLE_FORMATS:

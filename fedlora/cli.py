@@ -225,6 +225,9 @@ def _validate_privacy(args: argparse.Namespace) -> None:
     if args.strategy == "sgmv-flexlora":
         raise CLIError("SGMV cannot be used with FlexLoRA (paper Remark 3.2): use sgmm-flexlora or sgmv-ffa-lora.")
     algorithm = get_algorithm(args.strategy)
+    if args.target_epsilon is not None and not algorithm.private:
+        raise CLIError(f"{args.strategy} adds no noise and is not private: no noise multiplier reaches an epsilon "
+                       "(choose a private strategy, e.g. gm-ffa-lora or sgmm-ffa-lora).")
     if args.target_epsilon is not None and not args.target_epsilon > 0:
         raise CLIError(f"Target epsilon must be positive, got {args.target_epsilon:g}.")
     if args.noise_multiplier is not None and not args.noise_multiplier >= 0:

@@ -295,7 +295,10 @@ class RunConfig:
         if self.sketch_secret == "node-file" and not (self.threat_model == "secret-sketch" and algorithm.sketched):
             problems.append("sketch-secret = \"node-file\" is for sketched strategies under threat-model = "
                             "\"secret-sketch\"; under known-sketch the server broadcasts the sketch seeds.")
-        if self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
+        if self.head == "probe" and self.num_rounds < 2:
+            problems.append(f"head = \"probe\" needs num-rounds >= 2 (the linear-probe phase, then LoRA rounds), got "
+                            f"{self.num_rounds}.")
+        elif self.head == "probe" and not 1 <= self.linear_probe_rounds() < self.num_rounds:
             problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                             "LoRA rounds after it.")
         problems += self._lever_problems(algorithm)
@@ -481,9 +484,13 @@ def packaged_presets() -> dict[str, Path]:
 
 def preset_path(path: str | Path) -> Path:
     """A preset file: the file at ``path``, or for a bare name (``quickstart``) the packaged preset of that name."""
+    if not str(path).strip():
+        raise ValueError("The config file's name is empty.")
     path = Path(path)
     if path.is_file():
         return path
+    if path.is_dir():
+        raise ValueError(f"Config file '{path}' is a directory: name a TOML file in it.")
     presets = packaged_presets()
     if path.parent == Path(".") and path.stem in presets and path.suffix in ("", ".toml"):
         return presets[path.stem]
@@ -497,10 +504,19 @@ def load_config(path: str | Path | None = None, assignments: list[str] | None = 
     if path is not None:
         path = preset_path(path)
         try:
-            data = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as error:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"Config file '{path}' is not valid TOML ({error}).") from None
-        values = data.get("tool", {}).get("flwr", {}).get("app", {}).get("config", data)
+        values = table = data  # the top-level keys, or a Flower app's [tool.flwr.app.config] table
+        for name in ("tool", "flwr", "app", "config"):
+            table = table.get(name)
+            if table is None:
+                break
+            if not isinstance(table, dict):
+                raise ValueError(f"Config file '{path}': '{name}' must be a table of the [tool.flwr.app.config] "
+                                 f"path, got {type(table).__name__}.")
+        else:
+            values = table
     for assignment in assignments or []:
         key, value = parse_assignment(assignment)
         values[key] = value

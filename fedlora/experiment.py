@@ -244,10 +244,15 @@ def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:
     path = Path(run_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"'{run_dir}' holds no config.json: is it a fedlora run directory?")
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text())
+        used = saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"]
+    except (ValueError, KeyError, TypeError) as error:  # ValueError: not JSON, or not UTF-8
+        raise ValueError(f"'{path}' is damaged ({type(error).__name__}: {error}): it is not the config a fedlora run "
+                         "wrote.") from None
     saved.setdefault("precision", "fp32")  # a run from before the key trained in fp32 everywhere: it resumes so
     config = RunConfig.from_mapping({k: v for k, v in saved.items() if not k.endswith("(used)")})
-    return config, saved["noise-multiplier (used)"], saved["probe-noise-multiplier (used)"]
+    return (config, *used)
 
 
 def format_progress(row: dict, config: RunConfig) -> str:

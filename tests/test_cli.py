@@ -123,6 +123,8 @@ def test_privacy_poisson_and_non_private(capsys):
     (["--noise-multiplier", "1", "--strategy", "fedavg"], "Unknown strategy"),
     (["--noise-multiplier", "1", "--threat-model", "secret-sketch", "--sampling", "poisson"], "fixed-size sampling"),
     (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
+    (["--target-epsilon", "1", "--strategy", "ffa-lora"], "ffa-lora adds no noise and is not private"),
+    (["--noise-multiplier", "inf"], "argument --noise-multiplier: 'inf' is not a finite number"),
     ([], "Give --target-epsilon or --noise-multiplier"),
     (["--config", str(QUICKSTART), "--rounds", "5"], "--config takes every value from the preset; drop "
                                                                "--rounds"),
@@ -295,3 +297,20 @@ def test_paths_it_cannot_write_numbers_not_finite_and_resources_it_lacks_are_ref
         assert message in err and err.count("\n") == 1, (argv, err)
     assert sorted(p.read_bytes() for p in full.rglob("*") if p.is_file()) == secret
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "credentials"]
+
+
+def test_a_damaged_run_directory_is_named_in_one_line(capsys, tmp_path):
+    from fedlora.checkpoint import STATE_FILE
+    from fedlora.config import RunConfig
+
+    config = tmp_path / "config.json"
+    whole = {**RunConfig().to_mapping(), "noise-multiplier (used)": 1.0, "probe-noise-multiplier (used)": 0.0}
+    for text, state, message in [("{bad", None, f"'{config}' is damaged (JSONDecodeError: "),
+                                 (json.dumps(RunConfig().to_mapping()), None, f"'{config}' is damaged (KeyError: "),
+                                 (json.dumps(whole), b"garbage", f"'{tmp_path / STATE_FILE}' is damaged ")]:
+        config.write_text(text)
+        if state is not None:
+            (tmp_path / STATE_FILE).write_bytes(state)
+        assert main(["run", "--resume", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

@@ -64,7 +64,9 @@ BAD_CONFIGS = [
     ({"strategy": "flexlora", "message": "adapter", "client-ranks": "a,b"}, "comma-separated whole numbers"),
     ({"threat-model": "secret-sketch", "noise-placement": "client", "sampling": "poisson"}, "fixed-size sampling only"),
     ({"sketch-secret": "node-file", "message": "adapter"}, "is for sketched strategies under threat-model"),
-    ({"head": "probe", "num-rounds": 1}, "The linear-probe phase needs 1 to 0 rounds"),
+    ({"head": "probe", "num-rounds": 1}, 'head = "probe" needs num-rounds >= 2 (the linear-probe phase, then LoRA '
+                                         'rounds), got 1.'),
+    ({"head": "probe", "num-rounds": 3, "probe-rounds": 3}, "The linear-probe phase needs 1 to 2 rounds"),
     ({"dataset": "cifar100", "num-classes": 10}, "cifar100 has 100 classes: set num-classes = 100 (or 0, the data's)."),
     ({"dataset": "cifar-100"}, "dataset must be one of synthetic, cifar100, fashion-mnist, hf:<id> or folder:<path>, "
                                "got 'cifar-100'; did you mean 'cifar100'?"),
@@ -114,6 +116,18 @@ def test_bad_files_and_assignments(tmp_path):
         load_config(broken)
     with pytest.raises(ValueError, match="key=value"):
         load_config(None, ["lr"])
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"num-rounds = 3\n\xff\n")
+    with pytest.raises(ValueError, match="binary.toml' is not valid TOML .'utf-8' codec"):
+        load_config(binary)
+    flat = tmp_path / "pyproject.toml"
+    flat.write_text("[tool.flwr.app]\nconfig = 5\n")
+    with pytest.raises(ValueError, match="'config' must be a table of the .tool.flwr.app.config. path, got int"):
+        load_config(flat)
+    with pytest.raises(ValueError, match="is a directory: name a TOML file in it"):
+        load_config(tmp_path)
+    with pytest.raises(ValueError, match="The config file's name is empty"):
+        load_config("")
 
 
 def test_one_vocabulary_everywhere():
