@@ -57,6 +57,13 @@ def _output_dir(path, flag: str):
     return path
 
 
+def _trials(text: str) -> int:
+    value = _positive(text)
+    if value < 100:
+        raise argparse.ArgumentTypeError(f"an audit needs at least 100 trials per hypothesis, got {value}")
+    return value
+
+
 def _float_arg(text: str) -> float:
     try:
         value = float(text)
@@ -743,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
                                            "mechanism and canaries in a run")
     au.add_argument("--config", help="a TOML preset; default: the quickstart with 400 clients, 40 per round")
     add_overrides(au)
-    au.add_argument("--trials", type=_positive, default=5000, help="releases per hypothesis at the mechanism level "
+    au.add_argument("--trials", type=_trials, default=5000, help="releases per hypothesis at the mechanism level "
                                                                     "(default 5000)")
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
                                                                "clients, at most 300, none if that is under 100; "

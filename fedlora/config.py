@@ -66,6 +66,10 @@ class ConfigError(ValueError):
         super().__init__("\n".join(self.problems))
 
 
+def _bound(value: float) -> str:
+    return str(value) if isinstance(value, int) else f"{value:g}"
+
+
 def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | None = None,
          high: float | None = None, low_open: bool = False, high_open: bool = False):
     return field(default=default, metadata={"help": help, "choices": choices, "low": low, "high": high,
@@ -75,10 +79,10 @@ def _opt(default: Any, help: str, *, choices: tuple | None = None, low: float | 
 @dataclass(frozen=True)
 class RunConfig:
     strategy: str = _opt("sgmm-ffa-lora", "the algorithm", choices=tuple(ALGORITHMS))
-    num_clients: int = _opt(500, "C, clients in the federation", low=1)
+    num_clients: int = _opt(500, "C, clients in the federation", low=1, high=10 ** 7)
     clients_per_round: int = _opt(50, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
     sampling: str = _opt("fixed", "client sampling", choices=("fixed", "poisson"))
-    num_rounds: int = _opt(10, "T, federated rounds", low=1)
+    num_rounds: int = _opt(10, "T, federated rounds", low=1, high=10 ** 5)
     local_steps: int = _opt(2, "K, local steps per round", low=1)
     batch_size: int = _opt(16, "B, local mini-batch size", low=1)
     lr: float = _opt(0.05, "local learning rate", low=0.0, low_open=True)
@@ -245,9 +249,9 @@ class RunConfig:
             if isinstance(value, float) and not math.isfinite(value):  # NaN passes every comparison
                 problems.append(f"{key} must be a finite number, got {value}.")
             elif low is not None and (value < low or (meta["low_open"] and value == low)):
-                problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {low:g}, got {value}.")
+                problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {_bound(low)}, got {value}.")
             elif high is not None and (value > high or (meta["high_open"] and value == high)):
-                problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {high:g}, got {value}.")
+                problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {_bound(high)}, got {value}.")
         if not (self.dataset in DATASETS or is_user_dataset(self.dataset)) or self.dataset in (HUB_PREFIX,
                                                                                                   FOLDER_PREFIX):
             near = difflib.get_close_matches(self.dataset, DATASETS, n=1)

@@ -46,6 +46,7 @@ def test_describe_reports_real_shapes_and_upload_sizes(capsys):
     (["describe", "--model", "vit-tiny", "--sketch-dim", "500"], "must lie in [1, 192]"),
     (["describe", "--model", "vit-huge"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
+    (["audit", "--trials", "10"], "argument --trials: an audit needs at least 100 trials per hypothesis, got 10"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2

@@ -77,7 +77,9 @@ BAD_CONFIGS = [
     ({"num-classes": 1}, "num-classes must be 0 (the data's) or at least 2, got 1."),
     ({"lr": float("nan")}, "lr must be a finite number, got nan."),  # NaN passes every comparison
     ({"noise-multiplier": float("inf")}, "noise-multiplier must be a finite number, got inf."),
-    ({"seed": 2 ** 64}, "seed must be <="),
+    ({"seed": 2 ** 64}, f"seed must be <= {2 ** 63 - 1}, got {2 ** 64}."),
+    ({"num-rounds": 10 ** 9}, "num-rounds must be <= 100000, got 1000000000."),  # the accountant would fill the memory
+    ({"num-clients": 10 ** 20}, "num-clients must be <= 10000000, got 100000000000000000000."),
     ({"num-clients": 8, "clients-per-round": 4, "train-examples": 3},
      "train-examples (3) cannot be fewer than num-clients (8): every client needs at least one example."),
     ({"model": "vit-huge"}, "model must be one of"),
