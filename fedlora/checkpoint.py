@@ -91,7 +91,7 @@ class Checkpoint:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata()
+            metadata = f.metadata() or {}
             if int(metadata.get("format", 1)) not in READABLE_FORMATS:
                 raise ValueError(f"The checkpoint in '{run_dir}' has format {metadata['format']}; this fedlora "
                                  f"reads formats {', '.join(map(str, READABLE_FORMATS))}: continue the run with the "

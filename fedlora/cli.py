@@ -44,16 +44,18 @@ def _path_arg(text: str) -> str:
 
 
 def _output_dir(path, flag: str):
-    """``path`` made, if need be, as the directory a command writes to: a CLIError before any work if it cannot be."""
+    """``path``, once it is known that the command can write there (a directory, or one it can make): a CLIError
+    before any work if not. Nothing is made here, so a run refused later leaves no empty directory."""
     from pathlib import Path
 
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CLIError(f"{flag} '{path}' is a file, not a directory.")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise CLIError(f"{flag} '{path}' cannot be made: {error.strerror or error}.") from None
+    existing = next(p for p in (path.absolute(), *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise CLIError(f"{flag} '{path}' cannot be made: '{existing}' is a file.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CLIError(f"{flag} '{path}' cannot be made: '{existing}' is not writable.")
     return path
 
 
@@ -377,14 +379,14 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     from fedlora.experiment import check_before_start, noise_for, sampling_of
     from fedlora.federation import Protocol
 
-    check_before_start(config)
-    plan = noise_for(config)  # raises for an unreachable target epsilon
     resuming = out_dir is not None
     out_dir = Path(out_dir or args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not resuming and (out_dir / STATE_FILE).is_file():
         raise CLIError(f"'{out_dir}' holds a run already: continue it with `fedlora run --resume {out_dir}`, or "
                        "choose another --out.")
     _output_dir(out_dir, "--out")
+    check_before_start(config)
+    plan = noise_for(config)  # raises for an unreachable target epsilon
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
@@ -466,9 +468,8 @@ def resume(args: argparse.Namespace) -> None:
     from fedlora.launch import run_simulation
 
     address = _cluster_address(args)
-    out_dir, config, _ = _resumable(args, "run")
-    if address is None:
-        check_local_resources(config)
+    here = (lambda out_dir, config: check_local_resources(config)) if address is None else (lambda *_: None)
+    out_dir, config, _ = _resumable(args, "run", check=here)
     _check_cluster(address, config)
     _done(run_simulation(config, out_dir, resume=True, ray_address=address, began=_command_start()), out_dir, config)
 
@@ -582,7 +583,10 @@ def deploy(args: argparse.Namespace) -> None:
             raise CLIError(f"--credentials lacks {missing[0]}: write them with `fedlora credentials DIR --nodes "
                            f"{config.num_clients}`.")
     elif not args.insecure:
-        credentials = make_credentials(Path(out_dir) / "credentials", nodes=config.num_clients)
+        if (written := Path(out_dir) / "credentials").is_dir() and any(written.iterdir()):
+            raise CLIError(f"'{written}' holds the credentials of an earlier start of this deployment: use them with "
+                           f"`--credentials {written}`, or choose another --out.")
+        credentials = make_credentials(written, nodes=config.num_clients)
     print(f"  security: {_security(credentials)}")
     _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start()), out_dir, config)
 

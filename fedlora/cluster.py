@@ -62,8 +62,9 @@ def check_local_resources(config: RunConfig) -> None:
         gpus = torch.cuda.device_count()
     here = ClusterNode(LOCAL, "127.0.0.1", float(os.cpu_count() or 1), float(gpus))
     if here.clients(config) < 1:
+        lower = "set client-gpus = 0" if config.client_gpus > 0 and not gpus else "lower them"
         raise ValueError(f"This machine has {here.cpus:g} CPUs and {gpus} GPUs, less than one client asks "
-                         f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): lower them, "
+                         f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): {lower}, "
                          "or join a Ray cluster that has them (--ray-address).")
 
 

@@ -493,11 +493,11 @@ def preset_path(path: str | Path) -> Path:
     path = Path(path)
     if path.is_file():
         return path
-    if path.is_dir():
-        raise ValueError(f"Config file '{path}' is a directory: name a TOML file in it.")
     presets = packaged_presets()
     if path.parent == Path(".") and path.stem in presets and path.suffix in ("", ".toml"):
         return presets[path.stem]
+    if path.is_dir():
+        raise ValueError(f"Config file '{path}' is a directory: name a TOML file in it.")
     raise ValueError(f"Config file '{path}' does not exist (or give a packaged preset by name: "
                      f"{', '.join(presets)}).")
 

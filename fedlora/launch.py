@@ -32,7 +32,6 @@ from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, wait_for_live_nodes
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
-from fedlora.strategies.replies import EXCEPTION_LINE
 from fedlora.tracking import clear_progress, read_progress
 
 CONNECTION = "fedlora-local"
@@ -42,6 +41,13 @@ ENGINE_RESTARTS = 3  # restarts of a simulation that lost a Ray worker, per laun
 
 class LaunchError(RuntimeError):
     """The federation did not finish; the message names the log to read."""
+
+
+def _make_run_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:  # the CLI checked what it could (fedlora.cli._output_dir); /proc lets root pass its check
+        raise LaunchError(f"The run directory '{out_dir}' cannot be made: {error.strerror or error}.") from None
 
 
 def _toml_value(value) -> str:
@@ -262,6 +268,8 @@ def _outcome(saved: Checkpoint | None, config: RunConfig, out_dir: Path) -> list
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
+EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt|Exit): ")  # a traceback's last line
+
 
 def last_error(log: Path, limit: int = 200) -> str | None:
     """Why a run that left no checkpoint stopped, from its Flower log, in a line of at most ``limit`` characters:
@@ -304,7 +312,7 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
     ``began``: when the wait for it began, for its fixed cost (default: now; `fedlora run`: its process's start)."""
     began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(out_dir)
     for restart in range(ENGINE_RESTARTS + 1):
         app_dir = write_app(config, out_dir, simulation=True, resume=resume, client_app=client_app)
         with _flower(out_dir) as flower:
@@ -370,7 +378,7 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
     """
     began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _make_run_dir(out_dir)
     if not resume:
         (out_dir / DEPLOYMENT_FILE).write_text(json.dumps(
             {"credentials": str(credentials.root.resolve()) if credentials else None}) + "\n")

@@ -177,10 +177,11 @@ class FedLoRAStrategy(Strategy):
                 after = self.ledger.report_after(*self._release(server_round)).epsilon
                 past = (f"round {server_round} would bring epsilon to {after:.3f} ({self.ledger.trust_model}), past "
                         f"the budget {self.ledger.target_epsilon:g}")
-                if attempt:  # the round failed, and the budget leaves no retry: the clients' failure is the news
+                if attempt and not self.rounds[server_round]["replies"]:  # no client got through, and the budget
+                    # leaves no retry: what the clients said is the news, and the run failed (its rounds stay)
                     self._stop(STALLED, f"{self._shortfall(server_round)}, and a retry of {past}")
-                else:
-                    self._stop(BUDGET_SPENT, past)
+                else:  # a short round at the budget's end ends the run as the budget does
+                    self._stop(BUDGET_SPENT, past + (f" (after {self._shortfall(server_round)})" if attempt else ""))
                 return None
             messages = list(self.configure_train(server_round, ArrayRecord(), config, grid))
             if self.protocol.placement is NoisePlacement.SECAGG:
@@ -194,15 +195,19 @@ class FedLoRAStrategy(Strategy):
                 return None
             log(WARNING, "%s%s", self._shortfall(server_round),
                 "; retrying with new clients" if attempt < self.config.round_retries else "")
-        self._stop(STALLED, f"{self._shortfall(server_round)}, in each of {self.config.round_retries + 1} tries")
+        tries = self.config.round_retries + 1
+        self._stop(STALLED, f"{self._shortfall(server_round)}, in " + (f"each of {tries} tries" if tries > 1 else "its one try"))
         return None
 
     def _shortfall(self, server_round: int) -> str:
         """What a round that got too few valid replies got, and the first failure's reason."""
         info = self.rounds[server_round]
+        silent = info["sampled"] - info["replies"] - info["failed"] - info["rejected"]
         first = f" (the first: {info['first_failure']})" if info.get("first_failure") else ""
         return (f"round {server_round} got {info['replies']} valid replies of {info['sampled']} sampled, "
-                f"{info['needed']} needed; {info['failed']} failed and {info['rejected']} were rejected{first}")
+                f"{info['needed']} needed; {info['failed']} failed, {info['rejected']} were rejected"
+                + (f", {silent} did not reply within reply-timeout" if silent > 0 else "") + first
+                + (f"; SecAgg+ released nothing: {info['secagg']}" if info.get("secagg") else ""))
 
     def _stop(self, status: str, reason: str) -> None:
         self.status, self.reason = status, reason
@@ -439,6 +444,7 @@ class FedLoRAStrategy(Strategy):
                     bytes_down=info["bytes_down"] + float(np.mean(list(result.bytes_down.values()))))
         if result.total is None:
             log(WARNING, "Round %s: SecAgg+ released nothing: %s", server_round, result.reason)
+            info["secagg"] = result.reason
             self.save()  # the release stays counted
             return None
         self.in_flight = False

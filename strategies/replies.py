@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 
@@ -10,15 +9,17 @@ from flwr.app import Error, Message
 from flwr.serverapp import Grid
 
 PULL_INTERVAL = 3.0  # seconds between pulls where the grid names none (Flower's loop on a SuperLink waits 3)
-EXCEPTION_LINE = re.compile(r"^[\w.]+(Error|Exception|Interrupt|Exit): ")  # a traceback's last line
 
 
 def error_line(error: Error, limit: int = 300) -> str:
-    """Why a client failed, in one line: the first exception line with a message where the reason holds a traceback
-    (under Ray it starts with the actor's name, and the client's own error is inside), else its first line."""
+    """Why a client failed, in one line: where the reason holds a traceback (under Ray it starts with the actor's
+    name, and the client's own error is inside) its last exception line with a message, the one raised last (Ray's
+    wrapper says nothing); else its first line."""
+    from fedlora.launch import EXCEPTION_LINE  # only when a client failed: it loads the launcher's libraries
+
     lines = [line.strip() for line in (error.reason or "").splitlines() if line.strip()]
     told = [line for line in lines if EXCEPTION_LINE.match(line) and line.split(": ", 1)[1].strip()]
-    return (told or lines or [str(error.code)])[0][:limit]
+    return (told[-1:] or lines[:1] or [str(error.code)])[0][:limit]
 
 
 def gather(grid: Grid, messages: list[Message], *, timeout: float | None,

@@ -173,10 +173,28 @@ def test_a_round_whose_clients_all_fail_is_a_stall_naming_their_error_even_where
 
     strategy, _ = _run(tmp_path, broken, num_rounds=1)
     assert strategy.status == STALLED and strategy.ledger.rounds == 1
-    assert strategy.reason.startswith("round 1 got 0 valid replies of 3 sampled, 2 needed; 3 failed and 0 were "
+    assert strategy.reason.startswith("round 1 got 0 valid replies of 3 sampled, 2 needed; 3 failed, 0 were "
                                       "rejected (the first: the client of partition ")
     assert "Cannot split 3 examples into 5 partitions." in strategy.reason
     assert ", and a retry of round 1 would bring epsilon to " in strategy.reason
+
+
+def test_a_short_round_where_the_budget_leaves_no_retry_ends_the_run_as_the_budget_does(tmp_path):
+    """Some replies arrived, too few: dropouts, not a broken client; the rounds before it stand, with their adapter."""
+    trained = []
+
+    def one_then_broken(message, context):
+        if message.metadata.message_type == "train":
+            trained.append(1)
+            if len(trained) > 1:
+                raise RuntimeError("out of memory")
+        return client_app(message, context)
+
+    strategy, _ = _run(tmp_path, one_then_broken, num_rounds=1)
+    assert strategy.status == BUDGET_SPENT and strategy.reason.startswith("round 1 would bring epsilon to ")
+    assert strategy.reason.endswith("(after round 1 got 1 valid replies of 3 sampled, 2 needed; 2 failed, 0 were "
+                                    "rejected (the first: the client of partition 1 failed: RuntimeError: out of "
+                                    "memory))")
 
 
 def test_the_budget_stops_the_run_before_it_is_passed(tmp_path):
@@ -467,3 +485,21 @@ def test_a_packed_message_that_fails_loses_each_of_its_clients(tmp_path):
     assert len(grid.calls) == 2 and rows[0]["sampled"] == 3
     assert rows[0]["failed"] == 2 and rows[0]["replies"] == 1 and rows[0]["rejected"] == 0  # node 0 carried 2
     assert strategy.ledger.rounds == 1
+
+
+def test_a_failed_client_is_told_by_the_error_it_raised_last():
+    """Under Ray a reply's reason is the actor's traceback, the client's errors inside it; fedlora's own, raised
+    from a library's, comes last, and Ray's wrapper says nothing."""
+    from flwr.app import Error
+
+    from fedlora.strategies.replies import error_line
+
+    ray = ("<class 'ray.exceptions.RayTaskError(ClientAppException)'>:<'ray::ClientAppActor.run() (pid=1)\n"
+           "  File \"datasets/load.py\", line 9, in load\nFileNotFoundError: no such file: x.arrow\n\n"
+           "The above exception was the direct cause of the following exception:\n\n"
+           "ValueError: The dataset at hf:x cannot be read: download it first.\n"
+           "flwr.clientapp.client_app.ClientAppException: \n"
+           "Exception ClientAppException occurred. Message: The dataset at hf:x cannot be read'>")
+    assert error_line(Error(code=0, reason=ray)) == "ValueError: The dataset at hf:x cannot be read: download it first."
+    assert error_line(Error(code=0, reason="RuntimeError: out of memory")) == "RuntimeError: out of memory"
+    assert error_line(Error(code=3, reason="node busy\nretry later")) == "node busy"
