@@ -10,7 +10,7 @@ import sys
 
 from fedlora import __version__
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.config import HEAD_MODES, MESSAGE_FORMS, parse_assignment
+from fedlora.config import HEAD_MODES, MAX_CLASSES, MESSAGE_FORMS, parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 
 # bytes per value on the wire (float32)
@@ -34,6 +34,13 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"'{text}' is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _classes(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_CLASSES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_CLASSES} classes, got {value}")
     return value
 
 
@@ -393,6 +400,9 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
     if config.linear_probe_rounds():
         print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
     print(f"  mechanism: {protocol.describe()}")
+    ignored = config.ignored_keys()
+    if unread := [key for key, _ in map(parse_assignment, getattr(args, "set", None) or []) if key in ignored]:
+        print(f"  ignored: --set {', '.join(unread)} ({ignored[unread[0]]})")
     if plan.planned is not None:
         print(f"  privacy after {config.num_rounds} rounds ({plan.planned.threat_model.split('; ')[0]}):")
         for line in _observer_lines(plan.reports, config.delta, config.target_observer):
@@ -702,7 +712,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--targets", default="qv", choices=["qv", "all"], help="adapted linears (default: query/value)")
     d.add_argument("--sketch-dim", type=_positive, default=150, help="SGMM sketch dimension b (default 150)")
     d.add_argument("--vector-sketch-dim", type=_positive, default=None, help="SGMV sketch dimension h (default b r)")
-    d.add_argument("--num-classes", type=_positive, default=100)
+    d.add_argument("--num-classes", type=_classes, default=100)
     d.add_argument("--head", default="message", choices=list(HEAD_MODES),
                    help="classifier head: trained in every message (default), in linear-probe rounds only, or frozen")
     d.add_argument("--message", default="update", choices=list(MESSAGE_FORMS),
@@ -744,7 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
     cr.add_argument("dir", type=_path_arg)
     cr.add_argument("--host", action="append", default=[], help="a name or IP the SuperNodes reach the SuperLink by "
                                                                "(repeatable; default 127.0.0.1 and localhost)")
-    cr.add_argument("--nodes", type=_positive, default=2, help="SuperNodes (default 2)")
+    cr.add_argument("--nodes", type=_positive, default=2, help="SuperNodes (default 2, at most 10,000)")
 
     rc = commands.add_parser("reconstruct", help="de-sketch a secret-sketch run's global state into a PEFT adapter")
     rc.add_argument("run_dir")

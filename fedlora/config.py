@@ -41,6 +41,7 @@ from fedlora.training import LOCAL_OPTIMIZERS, PRECISIONS
 
 DATASETS = ("synthetic", "cifar100", "fashion-mnist")
 DATASET_CLASSES = {"cifar100": 100, "fashion-mnist": 10}  # num-classes must say the same
+MAX_CLASSES = 10 ** 5  # ImageNet-21k has 21,843; a head of 10^9 classes would fill the memory before it failed
 OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the ServerApp writes,
 RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
 SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fedlora run`)
@@ -152,9 +153,10 @@ class RunConfig:
                                      "subfolder of images per class as folder:<path>")
     image_column: str = _opt("", "an hf: or folder: dataset's image column (empty: its one Image feature)")
     label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label)")
-    num_classes: int = _opt(0, "classes (0: the data's; synthetic data has 10 unless set)", low=0)
-    train_examples: int = _opt(20000, "synthetic train-split size", low=1)
-    test_examples: int = _opt(1000, "synthetic test-split size", low=1)
+    num_classes: int = _opt(0, "classes (0: the data's; synthetic data has 10 unless set)", low=0, high=MAX_CLASSES)
+    # synthetic images are made in memory, 3 KiB each: 10^6 is 3 GiB
+    train_examples: int = _opt(20000, "synthetic train-split size", low=1, high=10 ** 6)
+    test_examples: int = _opt(1000, "synthetic test-split size", low=1, high=10 ** 6)
     model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
                                          "synthetic classes; vit-tiny-fashion-public: on Fashion-MNIST's public "
                                          "split; vit-tiny: the same at random init)", choices=tuple(MODELS))
@@ -380,6 +382,19 @@ class RunConfig:
             problems.append('noise-placement = "secagg" needs one Flower node per client (simulation-nodes = 0): '
                             "every client is its own party in SecAgg+.")
         return problems
+
+    def ignored_keys(self) -> dict[str, str]:
+        """The keys this configuration's strategy does not read, each with why. They are allowed, not refused: a
+        private config run with `--set strategy=ffa-lora` is the non-private reference it is compared with."""
+        algorithm = get_algorithm(self.strategy)
+        if not algorithm.private:
+            return dict.fromkeys(("target-epsilon", "noise-multiplier", "delta", "clip-norm", "noise-placement",
+                                  "target-observer", "probe-budget", "threat-model", "sketch-dim", "sketch-secret"),
+                                 f"{self.strategy} adds no noise and clips nothing")
+        if not algorithm.sketched:
+            return dict.fromkeys(("threat-model", "sketch-dim", "sketch-secret"),
+                                 f"{self.strategy} sends its message unsketched")
+        return {}
 
     def outside_simulation_problems(self) -> list[str]:
         """What a run that no simulation engine runs (a deployment, `flwr run .` on real SuperNodes) must not do:

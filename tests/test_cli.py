@@ -272,6 +272,26 @@ def test_the_budget_line_names_whose_epsilon_it_limits(capsys, tmp_path):
     assert "budget: epsilon = 6 (" in budget and "against the server (sample known)" in budget
 
 
+@pytest.mark.parametrize("assignments, ignored", [
+    (["strategy=ffa-lora", "target-epsilon=2", "lr=0.1", "clip-norm=0.5"],
+     "  ignored: --set target-epsilon, clip-norm (ffa-lora adds no noise and clips nothing)"),
+    (["strategy=gm-ffa-lora", "sketch-dim=32", 'threat-model="secret-sketch"', "noise-placement=client"],
+     "  ignored: --set sketch-dim, threat-model (gm-ffa-lora sends its message unsketched)"),
+    (["strategy=sgmm-ffa-lora", "sketch-dim=32", "target-epsilon=2"], None),
+])
+def test_a_set_key_the_strategy_does_not_read_is_named(capsys, tmp_path, assignments, ignored):
+    """`--set strategy=ffa-lora target-epsilon=2` runs without noise, as the reference to a private run must; the
+    banner says the epsilon is not read, so nobody takes the run for a private one."""
+    from argparse import Namespace
+
+    from fedlora.cli import _prepare
+    from fedlora.config import load_config
+
+    _prepare(Namespace(out=str(tmp_path / "run"), set=assignments), load_config("quickstart", assignments), "run")
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("  ignored:")]
+    assert lines == ([ignored] if ignored else [])
+
+
 def test_paths_it_cannot_write_numbers_not_finite_and_resources_it_lacks_are_refused_in_one_line(capsys, tmp_path):
     """Before any work: the run would otherwise start Flower and Ray and end in a traceback, or with no worker;
     pretraining would train first; credentials written over would lose the CA, the node keys and the sketch
@@ -290,6 +310,9 @@ def test_paths_it_cannot_write_numbers_not_finite_and_resources_it_lacks_are_ref
                           (["pretrain", "--out", str(tmp_path)], "is a directory: name the weights file to write."),
                           (["credentials", str(afile)], "is a file: credentials are never written over"),
                           (["credentials", str(full)], "is not empty: credentials are never written over"),
+                          (["credentials", str(tmp_path / "new"), "--host", "10.0.0.1:9092"],
+                           "--host '10.0.0.1:9092' is not a host name or IP address"),
+                          (["describe", "--num-classes", "1000000"], "--num-classes: at most 100000 classes, got"),
                           (["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "inf"], "not a finite"),
                           (["run", "--set", "lr=nan"], "lr must be a finite number, got nan."),
                           (["run", "--set", "client-cpus=100000"], "less than one client asks (client-cpus = 100000")]:

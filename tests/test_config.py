@@ -82,6 +82,8 @@ BAD_CONFIGS = [
     ({"num-clients": 10 ** 20}, "num-clients must be <= 10000000, got 100000000000000000000."),
     ({"num-clients": 8, "clients-per-round": 4, "train-examples": 3},
      "train-examples (3) cannot be fewer than num-clients (8): every client needs at least one example."),
+    ({"num-classes": 10 ** 9}, "num-classes must be <= 100000, got 1000000000."),  # the head would fill the memory
+    ({"train-examples": 10 ** 7}, "train-examples must be <= 1000000, got 10000000."),  # made in memory
     ({"model": "vit-huge"}, "model must be one of"),
 ]
 
