@@ -257,9 +257,10 @@ class LocalCluster:
     environment variables to one node's processes (a node whose data is elsewhere). Use as a context manager;
     ``stop_node(i)`` ends one node as a lost machine would."""
 
-    def __init__(self, cpus: list[int], *, node_env: dict[int, dict[str, str]] | None = None,
-                 object_store_bytes: int = 200_000_000):
-        self.cpus, self.node_env, self.object_store_bytes = cpus, node_env or {}, object_store_bytes
+    OBJECT_STORE_BYTES = 200_000_000  # each node's; Ray's default, a share of the memory, is far more than needed
+
+    def __init__(self, cpus: list[int], *, node_env: dict[int, dict[str, str]] | None = None):
+        self.cpus, self.node_env = cpus, node_env or {}
         self.ip = _node_ip()
         self.port = _free_port()
         self.address = f"{self.ip}:{self.port}"
@@ -282,7 +283,7 @@ class LocalCluster:
 
     def _start(self, index: int, cpus: int) -> None:
         common = ["--node-ip-address", self.ip, "--num-cpus", str(cpus), "--num-gpus", "0",
-                  "--object-store-memory", str(self.object_store_bytes), "--min-worker-port", "0",
+                  "--object-store-memory", str(self.OBJECT_STORE_BYTES), "--min-worker-port", "0",
                   "--max-worker-port", "0", "--disable-usage-stats", "--block"]
         args = (["--head", "--port", str(self.port), "--temp-dir", str(self.temp_dir), "--include-dashboard",
                  "false"] if index == 0 else

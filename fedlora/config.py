@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 from functools import lru_cache
 import sys
@@ -233,12 +232,6 @@ class RunConfig:
         return self.num_classes or dataset_classes(self.dataset, image_column=self.image_column,
                                                    label_column=self.label_column)
 
-    def validate(self) -> None:
-        """Raises ConfigError naming every problem, if there is one."""
-        problems = self.problems()
-        if problems:
-            raise ConfigError(problems)
-
     def problems(self) -> list[str]:
         """Every range and cross-constraint this configuration breaks, one sentence each."""
         problems = []
@@ -452,10 +445,6 @@ class RunConfig:
 
     def to_mapping(self) -> dict[str, Any]:
         return {self.key(f.name): getattr(self, f.name) for f in fields(self)}
-
-    def to_assignments(self) -> list[str]:
-        """``key=value`` for every key, as `--set` takes them."""
-        return [f"{k}={json.dumps(v) if isinstance(v, str) else v}" for k, v in self.to_mapping().items()]
 
 
 def _choice_problem(key: str, value: Any, choices: tuple) -> str:

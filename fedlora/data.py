@@ -593,22 +593,19 @@ def load_partition(partitioner: Partitioner, partition_id: int) -> datasets.Data
     return partitioner.load_partition(partition_id)
 
 
-def normalization(image_size: int, mean: Sequence[float] | None = None,
-                  std: Sequence[float] | None = None) -> tuple[list[float], list[float]]:
+def normalization(image_size: int) -> tuple[list[float], list[float]]:
     """(mean, std): CIFAR100_MEAN/STD at 32 px (models trained on CIFAR itself), VIT_MEAN/STD otherwise (pretrained
-    ViTs fed upsampled images), unless given."""
+    ViTs fed upsampled images)."""
     native = image_size == IMAGE_SIZE
-    return (list(mean if mean is not None else CIFAR100_MEAN if native else VIT_MEAN),
-            list(std if std is not None else CIFAR100_STD if native else VIT_STD))
+    return (list(CIFAR100_MEAN if native else VIT_MEAN), list(CIFAR100_STD if native else VIT_STD))
 
 
-def image_transform(image_size: int, *, train: bool, mean: Sequence[float] | None = None,
-                    std: Sequence[float] | None = None) -> v2.Compose:
+def image_transform(image_size: int, *, train: bool) -> v2.Compose:
     """One PIL image -> normalized float32 tensor (3, image_size, image_size), for DataLoader pipelines; ``to_torch``
     applies the same steps to whole batches on the device. ``train`` adds random mirroring."""
     from torchvision.transforms import v2
 
-    mean, std = normalization(image_size, mean, std)
+    mean, std = normalization(image_size)
     # Resize returns images already at the target size untouched.
     steps: list[v2.Transform] = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
     if train:
@@ -629,8 +626,7 @@ class DeviceImages:
     """
 
     def __init__(self, dataset: datasets.Dataset, image_size: int, *, train: bool = False,
-                 mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-                 label_column: str = LABEL_COLUMN, device: torch.device | str | None = None):
+                 device: torch.device | str | None = None):
         from torchvision.transforms import v2
 
         self.image_size, self.train = image_size, train
@@ -644,9 +640,8 @@ class DeviceImages:
             decoded = [self._resized(image) for image in decoded]
         self.images = (torch.stack(decoded) if decoded else torch.empty(0, 3, image_size, image_size,
                                                                           dtype=torch.uint8)).to(self.device)
-        self.labels = torch.as_tensor(dataset[label_column], dtype=torch.int64).to(self.device)
-        mean, std = normalization(image_size, mean, std)
-        self.mean, self.std = mean, std
+        self.labels = torch.as_tensor(dataset[LABEL_COLUMN], dtype=torch.int64).to(self.device)
+        self.mean, self.std = normalization(image_size)
 
     def _resized(self, images: torch.Tensor) -> torch.Tensor:
         from torchvision.transforms import v2
@@ -719,9 +714,7 @@ def _onto_device(values: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,
-             mean: Sequence[float] | None = None, std: Sequence[float] | None = None,
-             label_column: str = LABEL_COLUMN, device: torch.device | str | None = None) -> DeviceImages:
+             device: torch.device | str | None = None) -> DeviceImages:
     """``dataset`` decoded once onto ``device`` (default: the CPU), yielding {"pixel_values": float32 (3, S, S),
     "labels": int64} per index and batches of them per list of indices (``DeviceImages``)."""
-    return DeviceImages(dataset, image_size, train=train, mean=mean, std=std, label_column=label_column,
-                        device=device)
+    return DeviceImages(dataset, image_size, train=train, device=device)

@@ -31,14 +31,12 @@ ROUNDING_BETA = math.exp(-0.5)
 HEADROOM_STDS = 10.0  # the modulus holds the largest possible signal plus 10 noise standard deviations per entry
 
 
-def rounded_norm_bound(norm: float, dim: int, beta: float = ROUNDING_BETA) -> float:
+def rounded_norm_bound(norm: float, dim: int) -> float:
     """The norm the randomized rounding of a d-entry vector of norm <= ``norm`` is conditioned on (Kairouz, Liu and
-    Steinke 2021, Thm 2): rounding moves each entry by less than 1, and with probability >= 1 - beta the norm grows
-    to at most this."""
+    Steinke 2021, Thm 2): rounding moves each entry by less than 1, and with probability >= 1 - ROUNDING_BETA the
+    norm grows to at most this."""
     loose = norm + math.sqrt(dim)
-    if beta == 0:
-        return loose
-    tight = math.sqrt(norm ** 2 + dim / 4 + math.sqrt(2 * math.log(1 / beta)) * (norm + math.sqrt(dim) / 2))
+    tight = math.sqrt(norm ** 2 + dim / 4 + math.sqrt(2 * math.log(1 / ROUNDING_BETA)) * (norm + math.sqrt(dim) / 2))
     return min(loose, tight)
 
 

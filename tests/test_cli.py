@@ -272,6 +272,32 @@ def test_the_budget_line_names_whose_epsilon_it_limits(capsys, tmp_path):
     assert "budget: epsilon = 6 (" in budget and "against the server (sample known)" in budget
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "num-client=3"], "did you mean 'num-clients'"),  # the config's checks (test_config has them all)
+    (["--set", "target-epsilon=1e-9"], "unreachable"),
+    (["--set", "dataset=cifar100", "--set", "num-classes=100"], "synthetic"),
+    (["--set", "clip-quantile=0.5", "--set", "num-clients=20", "--set", "clients-per-round=4"],
+     "clip count's noise alone (clip-count-stddev 0.2) spends epsilon"),
+    (["--config", "missing.toml"], "does not exist"),
+    (["--set", "noise-multiplier=1", "--set", "target-epsilon=0.01"], "does not cover one round"),
+    (["--resume", "nowhere"], "holds no config.json"),
+])
+def test_run_bad_input_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypatch, tmp_path, argv, message):
+    monkeypatch.setattr("fedlora.hub.unreachable_reason", lambda: "huggingface.co is unreachable")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()  # nothing started
+
+
+def test_every_config_problem_is_one_line(capsys):
+    assert main(["run", "--set", "num-client=3", "--set", "rank=0", "--set", "lr=fast"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 3 and all(line.startswith("fedlora: error: ") for line in err)
+
+
 @pytest.mark.parametrize("assignments, ignored", [
     (["strategy=ffa-lora", "target-epsilon=2", "lr=0.1", "clip-norm=0.5"],
      "  ignored: --set target-epsilon, clip-norm (ffa-lora adds no noise and clips nothing)"),

@@ -1,6 +1,7 @@
 """Private adaptive clipping (fedlora.clipping): the clip norm converges to the target quantile, privately."""
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -45,6 +46,9 @@ def test_bits_and_their_allowance():
 
 
 def test_bad_settings_are_refused():
-    for args in ((0.0, 0.2, 1.0), (1.0, 0.2, 1.0), (0.5, 0.0, 1.0), (0.5, 0.2, 0.0)):
-        with pytest.raises(ValueError):
+    for args, message in (((0.0, 0.2, 1.0), "quantile must lie in (0, 1), got 0.0"),
+                          ((1.0, 0.2, 1.0), "quantile must lie in (0, 1), got 1.0"),
+                          ((0.5, 0.0, 1.0), "needs a positive learning rate"),
+                          ((0.5, 0.2, 0.0), "needs a positive learning rate and count noise")):
+        with pytest.raises(ValueError, match=re.escape(message)):
             QuantileClipping(*args)

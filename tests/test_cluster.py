@@ -4,6 +4,7 @@ ends as the same run on a local Ray does; a node without the data is named befor
 the middle of a round costs its clients' replies, not the run."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -67,7 +68,7 @@ def test_the_address_comes_from_the_flag_then_ray_address_and_local_means_this_m
     ("127.0.0.1:1", "Nothing answers at the Ray address 127.0.0.1:1"),
 ])
 def test_a_bad_address_is_one_line_and_exit_2_before_anything_runs(capsys, tmp_path, address, message):
-    with pytest.raises(ValueError, match="cannot run|expected|Nothing answers"):
+    with pytest.raises(ValueError, match=re.escape(message)):
         check_address(address)
     assert main(["run", "--ray-address", address, "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

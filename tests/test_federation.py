@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
-from fedlora.config import SIMULATION_KEY, RunConfig, run_config_of
+from fedlora.config import SIMULATION_KEY, RunConfig, load_split, run_config_of
+from fedlora.data import to_torch
 from fedlora.experiment import noise_for, reconstruct, sampling_of
 from fedlora.federation import DENSE, Protocol, overlapped
 from fedlora.models import build_backbone
@@ -20,6 +21,7 @@ from fedlora.privacy import epsilon
 from fedlora.sketch import Side, is_product, side_of
 from fedlora.strategies.server_app import run_federation
 from fedlora.strategies.inprocess_grid import InProcessGrid
+from fedlora.training import evaluate
 from tests.helpers import PAPER_FORM
 
 SMALL = {**PAPER_FORM, "num-clients": 5, "clients-per-round": 3, "num-rounds": 2, "local-steps": 2, "batch-size": 8,
@@ -61,8 +63,11 @@ def test_every_strategy_round_trips(tmp_path, strategy_name):
     assert rows[-1]["bytes_up"] > 0 and rows[-1]["bytes_down"] > 0
     assert all(r["replies"] == 3 and r["rejected"] == 0 for r in rows)  # honest replies pass the server's checks
     assert (tmp_path / "accuracy.png").stat().st_size > 0
-    loaded = PeftModel.from_pretrained(build_backbone("vit-tiny", num_classes=10), str(tmp_path / "adapter"))
-    assert loaded is not None
+    # the PEFT adapter a user loads onto the same backbone is the run's final global model: its accuracy
+    run_config = run_config_of(config)
+    loaded = PeftModel.from_pretrained(build_backbone(run_config.model, num_classes=10), str(tmp_path / "adapter"))
+    test = to_torch(load_split(run_config, "test"), 32)
+    assert evaluate(loaded, test) == pytest.approx((rows[-1]["accuracy"], rows[-1]["loss"]), rel=1e-5)
     if protocol.algorithm.private:
         # the ledger after T rounds equals the accountant's epsilon for the same parameters, within the budget
         ledger = strategy.ledger

@@ -117,6 +117,8 @@ def test_random_shifts_move_each_image_within_the_bound_and_fill_with_the_backgr
 def test_pretrain_on_fashion_mnist_sees_its_public_split_only(tmp_path, monkeypatch):
     """`fedlora pretrain --dataset fashion-mnist` trains on load_fashion_mnist("public"), the images no federation
     holds, and writes weights the vit-tiny-fashion-public model loads."""
+    from safetensors.torch import load_file
+
     from fedlora import pretrain as pretrain_module
 
     seen = []
@@ -133,7 +135,8 @@ def test_pretrain_on_fashion_mnist_sees_its_public_split_only(tmp_path, monkeypa
     monkeypatch.setitem(models.PACKAGED_WEIGHTS, "vit-tiny-fashion-public",
                         dataclasses.replace(PACKAGED_WEIGHTS["vit-tiny-fashion-public"], file=str(out), sha256=digest))
     models._packaged_state.cache_clear()
-    assert build_backbone("vit-tiny-fashion-public", num_classes=10) is not None
+    state = build_backbone("vit-tiny-fashion-public", num_classes=10).state_dict()
+    assert all(torch.equal(state[name], tensor.float()) for name, tensor in load_file(str(out)).items())
     models._packaged_state.cache_clear()
     with pytest.raises(ValueError, match="No public data to pretrain on in 'cifar100'"):
         pretrain("cifar100", out)

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from fedlora.checkpoint import FINISHED, Checkpoint
-from fedlora.cli import main
 from fedlora.config import RunConfig
 from fedlora.launch import LaunchError, last_error, record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
@@ -69,40 +68,6 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     rows = run_simulation(config, Path("run"), echo=lines.append)
     assert rows[-1]["fixed_seconds"] and len([line for line in lines if not line.endswith("so far")]) == 3
     _assert_a_finished_ray_run(tmp_path / "run", lines, config)
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--set", "strategy=fedavg"], "strategy must be one of"),
-    (["--set", "num-client=3"], "did you mean 'num-clients'"),
-    (["--set", "num-clients=3", "--set", "clients-per-round=4"], "cannot exceed num-clients"),
-    (["--set", "target-epsilon=1e-9"], "unreachable"),
-    (["--set", "dataset=cifar100", "--set", "num-classes=100"], "synthetic"),
-    (["--set", "rank=500"], "exceeds the smallest side (192)"),
-    (["--set", "sketch-dim=500"], "Sketch dimension 500 must lie in [1, 192]"),
-    (["--set", "noise-placement=central"], "noise-placement must be one of client, server"),
-    (["--set", "clip-quantile=1"], "clip-quantile must be < 1"),
-    (["--set", "clip-quantile=0.5", "--set", "num-clients=20", "--set", "clients-per-round=4"],
-     "clip count's noise alone (clip-count-stddev 0.2) spends epsilon"),
-    (["--set", "strategy=sgmm-flexlora", "--set", "threat-model=secret-sketch", "--set", "noise-placement=client"],
-     'message = "update" with sgmm-flexlora needs threat-model = "known-sketch"'),
-    (["--config", "missing.toml"], "does not exist"),
-    (["--set", "noise-multiplier=1", "--set", "target-epsilon=0.01"], "does not cover one round"),
-    (["--resume", "nowhere"], "holds no config.json"),
-])
-def test_run_bad_input_is_one_line_and_exit_2_before_ray_starts(capsys, monkeypatch, tmp_path, argv, message):
-    monkeypatch.setattr("fedlora.hub.unreachable_reason", lambda: "huggingface.co is unreachable")
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    monkeypatch.chdir(tmp_path)
-    assert main(["run", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
-    assert not (tmp_path / "runs").exists()  # nothing started
-
-
-def test_every_config_problem_is_one_line(capsys):
-    assert main(["run", "--set", "num-client=3", "--set", "rank=0", "--set", "lr=fast"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 3 and all(line.startswith("fedlora: error: ") for line in err)
 
 
 def _fedlora(*args: str, **popen) -> subprocess.Popen:
