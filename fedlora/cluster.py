@@ -28,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from fedlora.config import RunConfig
+from fedlora.reaper import end_trees
 
 RAY_ADDRESS_ENV = "RAY_ADDRESS"
 LOCAL = "local"  # Ray's own word for "start a new instance here", whatever else runs on this machine
@@ -324,15 +325,7 @@ def _end_tree(process: subprocess.Popen, *, kill: bool) -> None:
     if process.poll() is not None:  # ended and reaped: its pid may be another process's by now
         return
     with contextlib.suppress(psutil.NoSuchProcess):
-        root = psutil.Process(process.pid)
-        tree = [root, *root.children(recursive=True)]
-        for member in tree:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                member.kill() if kill else member.terminate()
-        _, alive = psutil.wait_procs(tree, timeout=30)
-        for member in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                member.kill()
+        end_trees([psutil.Process(process.pid)], grace=30.0, kill=kill)
     process.wait()
 
 

@@ -32,6 +32,7 @@ from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, wait_for_live_nodes
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
+from fedlora.reaper import end_trees
 from fedlora.tracking import clear_progress, read_progress
 
 CONNECTION = "fedlora-local"
@@ -89,6 +90,10 @@ class Flower:
         self.env = {**os.environ, "FLWR_HOME": str(self.home), "PYTHONUNBUFFERED": "1",
                     "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
         self.processes: list[subprocess.Popen] = []
+        # ends them if we are killed before stop_all (each runs in a session of its own and would outlive us)
+        self.reaper = subprocess.Popen([sys.executable, "-m", "fedlora.reaper"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, text=True,
+                                       start_new_session=True)
 
     def which(self, program: str) -> str:
         return shutil.which(program, path=self.env["PATH"]) or program
@@ -99,6 +104,9 @@ class Flower:
             process = subprocess.Popen([self.which(args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
                                        env={**self.env, **(env or {})}, cwd=self.out_dir, start_new_session=True)
         self.processes.append(process)
+        with contextlib.suppress(psutil.NoSuchProcess):  # one that is gone already needs no reaping
+            self.reaper.stdin.write(f"{process.pid} {psutil.Process(process.pid).create_time()!r}\n")
+            self.reaper.stdin.flush()
         return process
 
     def call(self, name: str, args: list[str], *, timeout: float = 60) -> str:
@@ -132,23 +140,15 @@ class Flower:
 
     def stop_all(self) -> None:
         """Stops every process started, and every process they started (some leave their parent's session)."""
-        tree = []
+        roots = []
         for process in reversed(self.processes):  # SuperNodes first, the SuperLink last
-            try:
-                parent = psutil.Process(process.pid)
-                tree += [parent, *parent.children(recursive=True)]
-            except psutil.NoSuchProcess:
-                pass
-        for member in tree:
             with contextlib.suppress(psutil.NoSuchProcess):
-                member.terminate()
-        _, alive = psutil.wait_procs(tree, timeout=20)
-        for member in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                member.kill()
-        psutil.wait_procs(alive, timeout=10)
+                roots.append(psutil.Process(process.pid))
+        end_trees(roots)
         for process in self.processes:
             process.wait()  # reaps our own children
+        self.reaper.stdin.close()  # it finds nothing left and exits
+        self.reaper.wait(timeout=60)
 
     def follow(self, app_dir: Path, config: RunConfig, echo, federation_config: str | None = None, *,
                resume: bool = False) -> Checkpoint | None:
