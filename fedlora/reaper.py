@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import psutil
 
@@ -26,11 +27,25 @@ def end_trees(roots: list[psutil.Process], *, grace: float = 20.0, kill: bool = 
     for member in tree:
         with contextlib.suppress(psutil.NoSuchProcess):
             member.kill() if kill else member.terminate()
-    _, alive = psutil.wait_procs(tree, timeout=grace)
-    for member in alive:
+    for member in _running(tree, grace):
         with contextlib.suppress(psutil.NoSuchProcess):
             member.kill()
-    psutil.wait_procs(alive, timeout=10)
+
+
+def _running(processes: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Those of ``processes`` still running after up to ``timeout`` seconds. A zombie has ended: its parent, which
+    may not be this process, is yet to reap it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = []
+        for process in processes:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    running.append(process)
+        if not running or time.monotonic() >= deadline:
+            return running
+        processes = running
+        time.sleep(0.1)
 
 
 def _listed(lines) -> list[psutil.Process]:
