@@ -294,7 +294,7 @@ def audit_mechanism(mechanism: Mechanism, *, shape: tuple[int, int] = (192, 4), 
     """
     if mechanism.clip_norm is None:
         raise ValueError("An audit needs a clip norm: the neighbouring messages sit at it.")
-    label = f"{mechanism.trust_model}; one release, its sample known (no amplification)"
+    label = mechanism.trust_model + ("; one release, its sample known (no amplification)" if mechanism.private else "")
     # Noise at the server: whoever sees the noisy sum and knows the round's other messages (DP fixes everyone but
     # the target) sees the target's constrained message plus the server's noise, the release audited here.
     mechanism = replace(mechanism, placement=NoisePlacement.CLIENT)

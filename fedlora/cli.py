@@ -337,7 +337,7 @@ def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[s
     for observer, report in reports.items():
         report = report if isinstance(report, dict) else {"epsilon": report.epsilon, "method": report.method,
                                                           "threat_model": report.threat_model}
-        target = ", the target" if observer == target_observer else ""
+        target = ", target-observer" if observer == target_observer else ""  # whose epsilon the target limits
         why = _why_none(observer, report)
         value = (f"epsilon = {report['epsilon']:.4g} at delta = {delta:g} ({report['method']}{target})"
                  if math.isfinite(report["epsilon"]) else "epsilon = inf (not private)" if why == "no noise"
@@ -762,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     au = commands.add_parser("audit", help="measure a strategy's empirical privacy: membership tests on its "
                                            "mechanism and canaries in a run")
-    au.add_argument("--config", help="a TOML preset; default: the quickstart with 400 clients, 40 per round")
+    au.add_argument("--config", help="a TOML preset; default: the quickstart, evaluated every 10th round")
     add_overrides(au)
     au.add_argument("--trials", type=_trials, default=5000, help="releases per hypothesis at the mechanism level "
                                                                     "(default 5000)")

@@ -149,7 +149,7 @@ class Mechanism:
     @property
     def trust_model(self) -> str:
         """The threat model and where the noise is added, as every epsilon of this mechanism is labelled."""
-        return trust_label(self.threat_model.value, self.placement.value)
+        return trust_label(self.threat_model.value, self.placement.value) if self.private else "no noise: not private"
 
     def constrain(self, message: Mapping[str, Tensor], *, key: SketchKey) -> Message:
         """What bounds one client's influence: clip the whole message, sketch it, clip again under known-sketch."""

@@ -131,8 +131,12 @@ class FedLoRAStrategy(Strategy):
     def summary(self) -> None:
         c = self.config
         log(INFO, "\t├── %s: %s", c.strategy, self.protocol.describe())
-        log(INFO, "\t├── %s sampling of %s clients, q = %.4g", self.sampling.kind.value, c.num_clients,
-            self.sampling.q)
+        if self.sampling.kind.value == "fixed":
+            log(INFO, "\t├── fixed sampling: %s of %s clients a round (q = %.4g)", c.clients_per_round,
+                c.num_clients, self.sampling.q)
+        else:
+            log(INFO, "\t├── Poisson sampling of %s clients, each with probability q = %.4g", c.num_clients,
+                self.sampling.q)
         log(INFO, "\t└── a round needs %s valid replies, else it is retried (at most %s times)",
             c.required_replies(), c.round_retries)
 

@@ -251,6 +251,7 @@ def test_canary_run_catches_a_non_private_strategy(tmp_path):
     result = audit_federation(_canary_config("ffa-lora"), 100, tmp_path / "run", echo=lambda line: None)
     assert result.level == "federation" and 30 < result.trials < 70  # each of the 100 canaries in with probability 1/2
     assert result.auc > 0.6 and result.accountant_epsilon == math.inf  # the canaries never sampled score as null
+    assert result.threat_model == "no noise: not private"  # no placement named for noise that is not added
     assert result.empirical_epsilon > 0.5  # a lower bound from this one run: provably not epsilon-DP for small epsilon
     assert (tmp_path / "run" / "metrics.jsonl").is_file()  # a real run, with its run directory
 
