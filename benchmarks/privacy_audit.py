@@ -7,8 +7,8 @@ Mechanism level: one 192 x 4 LoRA B (the tiny ViT's query/value) at clip norm 1,
 strategy's mechanism; the attacker's best statistic; Clopper-Pearson lower bounds (fedlora.audit).
 Secure aggregation (noise-placement = "secagg", N = 50 replies, N_min = 45): the same message through the codec, seen
 by a server that follows SecAgg+ (the decoded sum) and by one that breaks it (one reply alone).
-Federation level: `fedlora audit`'s canary run (the quickstart with 400 clients, 40 per round, target
-epsilon 8, 300 canaries) for every strategy and threat model.
+Federation level: `fedlora audit`'s canary run (the quickstart: 500 clients, 50 per round, noise at the server,
+target epsilon 8, 300 canaries) for every strategy and threat model.
 """
 
 from __future__ import annotations
@@ -69,6 +69,17 @@ FEDERATION_RUNS = [("ffa-lora", "known-sketch"), ("flexlora", "known-sketch"),
                    ("sgmm-ffa-lora", "known-sketch"), ("sgmm-ffa-lora", "secret-sketch"),
                    ("sgmv-ffa-lora", "known-sketch"), ("sgmv-ffa-lora", "secret-sketch"),
                    ("sgmm-flexlora", "known-sketch"), ("sgmm-flexlora", "secret-sketch")]
+
+
+LEGACY_SETTING = "400 clients, 40 per round, noise at the client"  # of reports saved before the setting was
+
+
+def federation_config(strategy: str, threat: str, delta: float):
+    """`fedlora audit`'s default run for ``strategy``: under secret-sketch in the paper's form (noise at the client,
+    adapters sent), the only one that threat model's bound covers."""
+    paper_form = ['noise-placement="client"', 'message="adapter"'] if threat == "secret-sketch" else []
+    return load_config(None, [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
+                       + [f"strategy={strategy}", f"threat-model={threat}", f"delta={delta}", *paper_form])
 
 
 def _eps(value: float | None) -> str:
@@ -152,7 +163,7 @@ def merged(saved: dict, new: dict, level: str) -> dict:
                level: new["commit"]}
     rows = [r for r in new["results"] if r["level"] == level] + [r for r in saved["results"] if r["level"] == other]
     rows.sort(key=lambda r: r["level"] != "mechanism")
-    keep = {k: saved[k] for k in ("canaries",) if level == "mechanism"} | \
+    keep = {k: saved[k] for k in ("canaries", "federation_setting") if level == "mechanism" and k in saved} | \
         {k: saved[k] for k in ("trials", "noise_multiplier") if level == "federation"}
     return {**new, **keep, "command": f"{saved['command']}; {new['command']}", "commits": commits,
             "minutes": saved["minutes"] + new["minutes"], "results": rows}
@@ -176,14 +187,18 @@ def measure(args: argparse.Namespace) -> dict:
         print(f"{strategies}: {r.name}: AUC {r.auc:.3f}, empirical {r.empirical_epsilon:.2f}, accountant "
               f"{r.accountant_epsilon:.2f} ({r.threat_model})", flush=True)
     for strategy, threat in FEDERATION_RUNS if args.canaries and args.only != "mechanism" else []:
-        config = load_config(None, [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
-                             + [f"strategy={strategy}", f"threat-model={threat}", f"delta={args.delta}"])
+        config = federation_config(strategy, threat, args.delta)
         with tempfile.TemporaryDirectory() as out:
             r = audit_federation(config, args.canaries, Path(out), echo=lambda line: None)
         results.append({"strategies": strategy, **r.to_json()})
         print(f"{strategy} ({threat}): AUC {r.auc:.3f}, empirical {r.empirical_epsilon:.2f}, accountant "
               f"{r.accountant_epsilon:.2f}", flush=True)
+    default = federation_config("sgmm-ffa-lora", "known-sketch", args.delta)
+    setting = (f"{default.num_clients} clients, {default.clients_per_round} per round, noise at the "
+               f"{default.noise_placement}, clients sending {default.message}s (under secret-sketch in the paper's "
+               "form: noise at the client, adapters sent)")
     return {"command": command_line("benchmarks.privacy_audit"), "commit": revision(), "machine": machine(),
+            "federation_setting": setting,
             "minutes": (time.perf_counter() - started) / 60, "trials": args.trials,
             "noise_multiplier": args.noise_multiplier, "canaries": args.canaries, "delta": args.delta,
             "results": results}
@@ -237,7 +252,8 @@ def render(report: dict) -> None:
             "## Federation level: canaries in a whole run",
             "",
             "`fedlora audit`'s run for each strategy: the quickstart (tiny ViT, synthetic data, 10 rounds, target "
-            f"epsilon 8) with 400 clients, 40 per round, of which {report['canaries']} are canaries; each is included "
+            f"epsilon 8) with {report.get('federation_setting', LEGACY_SETTING)}, of which {report['canaries']} are "
+            "canaries; each is included "
             "with probability 1/2 and then sends a fixed random direction at the clip norm (an excluded one sends "
             "zero). Each canary's score is its largest cosine with a round's update of the global model (de-sketched "
             "as clients see it). Empirical epsilon: a lower bound that holds with 95% confidence from this one run "

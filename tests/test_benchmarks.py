@@ -301,3 +301,15 @@ def test_the_real_data_ceilings_refuse_step_counts_that_do_not_increase_before_a
 
     assert main(["--steps", steps]) == 2
     assert capsys.readouterr().err.startswith("real_data: error: --steps takes increasing positive step counts")
+
+
+def test_every_federation_run_of_the_privacy_audit_is_a_valid_config_at_today_s_defaults():
+    """The audit's default run put noise at the server, which secret-sketch does not allow: its secret-sketch rows
+    run in the paper's form, and the known-sketch rows as `fedlora audit` runs them."""
+    from benchmarks.privacy_audit import FEDERATION_RUNS, federation_config
+    from fedlora.config import RunConfig
+
+    for strategy, threat in FEDERATION_RUNS:
+        config = federation_config(strategy, threat, 1e-5)
+        placement = "client" if threat == "secret-sketch" else RunConfig().noise_placement
+        assert (config.strategy, config.threat_model, config.noise_placement) == (strategy, threat, placement)
