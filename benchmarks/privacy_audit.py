@@ -71,9 +71,6 @@ FEDERATION_RUNS = [("ffa-lora", "known-sketch"), ("flexlora", "known-sketch"),
                    ("sgmm-flexlora", "known-sketch"), ("sgmm-flexlora", "secret-sketch")]
 
 
-LEGACY_SETTING = "400 clients, 40 per round, noise at the client"  # of reports saved before the setting was
-
-
 def federation_config(strategy: str, threat: str, delta: float):
     """`fedlora audit`'s default run for ``strategy``: under secret-sketch in the paper's form (noise at the client,
     adapters sent), the only one that threat model's bound covers."""
@@ -163,7 +160,7 @@ def merged(saved: dict, new: dict, level: str) -> dict:
                level: new["commit"]}
     rows = [r for r in new["results"] if r["level"] == level] + [r for r in saved["results"] if r["level"] == other]
     rows.sort(key=lambda r: r["level"] != "mechanism")
-    keep = {k: saved[k] for k in ("canaries", "federation_setting") if level == "mechanism" and k in saved} | \
+    keep = {k: saved[k] for k in ("canaries", "federation_setting") if level == "mechanism"} | \
         {k: saved[k] for k in ("trials", "noise_multiplier") if level == "federation"}
     return {**new, **keep, "command": f"{saved['command']}; {new['command']}", "commits": commits,
             "minutes": saved["minutes"] + new["minutes"], "results": rows}
@@ -252,7 +249,7 @@ def render(report: dict) -> None:
             "## Federation level: canaries in a whole run",
             "",
             "`fedlora audit`'s run for each strategy: the quickstart (tiny ViT, synthetic data, 10 rounds, target "
-            f"epsilon 8) with {report.get('federation_setting', LEGACY_SETTING)}, of which {report['canaries']} are "
+            f"epsilon 8) with {report['federation_setting']}, of which {report['canaries']} are "
             "canaries; each is included "
             "with probability 1/2 and then sends a fixed random direction at the clip norm (an excluded one sends "
             "zero). Each canary's score is its largest cosine with a round's update of the global model (de-sketched "
