@@ -85,7 +85,7 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str, 
 
         def privatize(release: int, trained: TrainedClients) -> None:
             protocol.release_clients(trained, round_=1, release=release,
-                                     noises=[protocol.simulation_noise(release, p) for p in range(batch)])
+                                     noises=[protocol.client_noise(release, p) for p in range(batch)])
 
         overlapped(releases, train, privatize, background=path != "host" and not profiled and device.type == "cuda")
 

@@ -45,7 +45,7 @@ from benchmarks.common import RESULTS, command_line, machine, revision, run_inpr
 from fedlora.algorithms import get_algorithm
 from fedlora.config import RunConfig, load_config
 from fedlora.experiment import noise_for
-from fedlora.privacy.events import OBSERVER_LABELS, other_observers
+from fedlora.privacy.events import Observer, observer_label, other_observers
 
 PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
@@ -294,9 +294,10 @@ def _other_observers(result: dict) -> str:
     """The run's finite epsilons against the observers besides the one it was calibrated for, as its progress lines
     print them (secure aggregation: the server, and a server that breaks SecAgg+; the noise added by the server
     holds nothing against it)."""
-    calibrated = next((o for o, label in OBSERVER_LABELS.items() if result["threat_model"].endswith(label)), None)
+    threat_model = result["threat_model"].split(",")[0]
+    calibrated = next((o for o in Observer if result["threat_model"].endswith(observer_label(o, threat_model))), None)
     return "".join(f"; {value:.3g} {label}"
-                   for value, label in other_observers(result.get("epsilon_by_observer", {}), calibrated))
+                   for value, label in other_observers(result.get("epsilon_by_observer", {}), calibrated, threat_model))
 
 
 LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next

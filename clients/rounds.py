@@ -92,11 +92,6 @@ def global_state(msg: Message) -> GlobalState:
                        int(msg.content["config"]["produced-by"]))
 
 
-def round_noise(config: RunConfig, protocol: Protocol, release: int, partition_id: int):
-    """Seeded noise in simulations that ask for it, else None: the OS's secure randomness."""
-    return protocol.simulation_noise(release, partition_id) if config.noise_source == "seeded" else None
-
-
 def client_records(release: dict, metrics: dict, clip_bit: float | None = None) -> dict:
     """One client's release (and, under adaptive clipping, its clip bit as one float64) with its telemetry."""
     records = {"arrays": ArrayRecord({n: t.contiguous() for n, t in release.items()}),
@@ -121,7 +116,7 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
     config, protocol, node = round_setup(msg, context)
     round_config, state = msg.content["config"], global_state(msg)
     if PACKED not in round_config:  # this node's own client
-        return reply(msg, *_client_round(msg, config, protocol, state, node.partition_id,
+        return reply(msg, *_client_round(msg, protocol, state, node.partition_id,
                                          _local_data(config, node), startup_seconds))
     if node.data_dir:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
@@ -132,10 +127,10 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
 
     def train(group: list[int]) -> TrainedClients:
         datasets = [_local_data(config, NodeSettings(p, config.num_clients)) for p in group]
-        return _train_clients(msg, config, protocol, state, group, datasets)
+        return _train_clients(msg, protocol, state, group, datasets)
 
     def release(group: list[int], trained: TrainedClients) -> list[tuple[dict, dict, float | None]]:
-        return _release_clients(msg, config, protocol, group, trained,
+        return _release_clients(msg, protocol, group, trained,
                                 startup_seconds if group is groups[0] else 0.0, where)
 
     records = {}
@@ -158,7 +153,7 @@ def secure_train(msg: Message, context: Context, startup_seconds: float) -> Mess
     """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     config, protocol, node = round_setup(msg, context)
-    release, metrics, _ = _client_round(msg, config, protocol, global_state(msg), node.partition_id,
+    release, metrics, _ = _client_round(msg, protocol, global_state(msg), node.partition_id,
                                         _local_data(config, node), startup_seconds)
     return encoded_reply(msg, protocol, node.partition_id, release, metrics)
 
@@ -186,23 +181,23 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
     }), reply_to=msg)
 
 
-def _client_round(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState, partition_id: int,
+def _client_round(msg: Message, protocol: Protocol, state: GlobalState, partition_id: int,
                   data, startup_seconds: float) -> tuple[dict, dict, float | None]:
     """One client's round: its release, telemetry and clip bit."""
-    trained = _train_clients(msg, config, protocol, state, [partition_id], [data])
-    return _release_clients(msg, config, protocol, [partition_id], trained, startup_seconds, _ray_node())[0]
+    trained = _train_clients(msg, protocol, state, [partition_id], [data])
+    return _release_clients(msg, protocol, [partition_id], trained, startup_seconds, _ray_node())[0]
 
 
-def _train_clients(msg: Message, config: RunConfig, protocol: Protocol, state: GlobalState,
+def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
                    partition_ids: list[int], datasets: list) -> TrainedClients:
     """Clients of one rank trained together, their messages on the host."""
-    model, base = _model(config, protocol.client_rank(partition_ids[0]))
+    model, base = _model(protocol.config, protocol.client_rank(partition_ids[0]))
     round_config = msg.content["config"]
     return protocol.train_clients(model, base, datasets, state, round_=int(round_config["server-round"]),
                                   release=int(round_config["release"]), partition_ids=partition_ids)
 
 
-def _release_clients(msg: Message, config: RunConfig, protocol: Protocol, partition_ids: list[int],
+def _release_clients(msg: Message, protocol: Protocol, partition_ids: list[int],
                      trained: TrainedClients, startup_seconds: float,
                      where: dict[str, int]) -> list[tuple[dict, dict, float | None]]:
     """Each trained client's release, telemetry and clip bit."""
@@ -210,7 +205,7 @@ def _release_clients(msg: Message, config: RunConfig, protocol: Protocol, partit
     release = int(round_config["release"])
     results = protocol.release_clients(trained, round_=int(round_config["server-round"]), release=release,
                                        clip_norm=round_clip_norm(msg),
-                                       noises=[round_noise(config, protocol, release, p) for p in partition_ids])
+                                       noises=[protocol.client_noise(release, p) for p in partition_ids])
     out = []
     for partition_id, result in zip(partition_ids, results):
         metrics = {"partition-id": partition_id, "train-seconds": result.train_seconds,
@@ -247,7 +242,7 @@ def _canary_round(msg: Message, context: Context, direction: dict) -> Message:
     clip_norm = round_clip_norm(msg) or config.clip_norm
     message = {name: t * clip_norm * (1 - CLIP_MARGIN) for name, t in direction.items()}
     out, bit = protocol.privatize(message, round_=round_, release=release, clip_norm=clip_norm,
-                                  noise=round_noise(config, protocol, release, node.partition_id))
+                                  noise=protocol.client_noise(release, node.partition_id))
     metrics = {"partition-id": node.partition_id}
     if protocol.placement is NoisePlacement.SECAGG:
         return encoded_reply(msg, protocol, node.partition_id, out, metrics)

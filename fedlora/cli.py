@@ -200,7 +200,7 @@ def _config_privacy(args: argparse.Namespace) -> dict:
 
     from fedlora.config import load_config
     from fedlora.experiment import noise_for
-    from fedlora.privacy.events import OBSERVER_LABELS, Observer
+    from fedlora.privacy.events import observer_label
 
     _from_config(args, "privacy")  # refuses flags the preset would override
     config = load_config(args.config, args.set)
@@ -215,7 +215,8 @@ def _config_privacy(args: argparse.Namespace) -> dict:
         n_min = config.required_replies()
         setting += (f", secure aggregation of at least {n_min} replies (each client adds z / sqrt({n_min}) = "
                     f"{plan.noise_multiplier / n_min ** 0.5:.4g})")
-    how = (f"calibrated for target epsilon {config.target_epsilon:g} {OBSERVER_LABELS[Observer(config.target_observer)]}"
+    how = (f"calibrated for target epsilon {config.target_epsilon:g} "
+           f"{observer_label(config.target_observer, config.threat_model)}"
            if not config.noise_multiplier else "given")
     return _privacy_result(plan.reports, noise_multiplier=plan.noise_multiplier, target_observer=config.target_observer,
                            setting=setting, how=how, strategy=config.strategy, delta=config.delta,
@@ -269,6 +270,10 @@ def _validate_privacy(args: argparse.Namespace) -> None:
         if args.threat_model == "secret-sketch" and args.noise_placement == "server":
             raise CLIError("--noise-placement server needs --threat-model known-sketch: the secret-sketch bound is "
                            "derived for noise on every client's message.")
+    if algorithm.private and args.sampling == "poisson" and args.noise_placement == "client":
+        raise CLIError("--sampling poisson needs --noise-placement server: with noise at the client the model's noise "
+                       "grows with the number of participants and reveals it, which Poisson accounting assumes "
+                       "hidden.")
     if args.target_observer == "server" and args.noise_placement == "server":
         raise CLIError("--target-observer server needs --noise-placement client: with noise at the server it sees "
                        "every message before the noise, and no epsilon holds against it.")
@@ -278,7 +283,7 @@ def _validate_privacy(args: argparse.Namespace) -> None:
 
 def privacy(args: argparse.Namespace) -> dict:
     from fedlora.privacy import GaussianRelease, Phase, SamplingScheme, calibrate, epsilon, observers
-    from fedlora.privacy.events import OBSERVER_LABELS, Observer
+    from fedlora.privacy.events import observer_label
     from fedlora.privacy.paper import round_release
 
     analysis = args.threat_model
@@ -300,7 +305,7 @@ def privacy(args: argparse.Namespace) -> dict:
         z = calibrate(phases, target_epsilon=args.target_epsilon, observer=args.target_observer,
                       **where).noise_multiplier
         how = (f"calibrated for target epsilon {args.target_epsilon:g} "
-               f"{OBSERVER_LABELS[Observer(args.target_observer)]}")
+               f"{observer_label(args.target_observer, analysis)}")
     else:
         z, how = args.noise_multiplier, "given"
     reports = {o.value: epsilon(phases(z), observer=o, **where) for o in observers(args.noise_placement)}
@@ -330,9 +335,8 @@ def _print_privacy(result: dict) -> None:
 
 
 def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[str]:
-    """One line per observer: whom the epsilon holds against, the number and its method (or why there is none)."""
-    from fedlora.privacy.events import OBSERVER_LABELS, Observer
-
+    """One line per observer: whom the epsilon holds against (its label's last part), the number and its method (or
+    why there is none)."""
     lines = []
     for observer, report in reports.items():
         report = report if isinstance(report, dict) else {"epsilon": report.epsilon, "method": report.method,
@@ -342,7 +346,7 @@ def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[s
         value = (f"epsilon = {report['epsilon']:.4g} at delta = {delta:g} ({report['method']}{target})"
                  if math.isfinite(report["epsilon"]) else "epsilon = inf (not private)" if why == "no noise"
                  else f"none ({why})")
-        lines.append(f"{OBSERVER_LABELS[Observer(observer)]}: {value}")
+        lines.append(f"{report['threat_model'].split('; ', 1)[1]}: {value}")
     return lines
 
 
@@ -357,24 +361,7 @@ def _why_none(observer: str, report: dict) -> str:
 def _print_paper_table(rows) -> None:
     from fedlora.privacy import paper
 
-    print(f"The paper's setting: C = {paper.NUM_CLIENTS}, N = {paper.CLIENTS_PER_ROUND} per round (fixed-size, "
-          f"replace-one), T = {paper.ROUNDS}, delta = {paper.DELTA:g}, r = {paper.RANK}, "
-          f"b = {paper.SKETCH_DIMS['sgmm']}, h = {paper.SKETCH_DIMS['sgmv']}; target epsilon {paper.TARGET_EPSILON}.")
-    print()
-    print("| strategy | paper z | z, known-sketch | z, secret-sketch | z, paper's per-message analysis "
-          "| eps at paper z, known-sketch | eps at paper z, secret-sketch | eps at paper z, per-message analysis |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        z = [f"{row.calibrated[a]:.3f}" for a in paper.ANALYSES]
-        e = [f"{row.epsilon_at_paper_noise[a]:.3f}" for a in paper.ANALYSES]
-        print(f"| {row.strategy} | {row.paper_noise_multiplier:.2f} | {' | '.join(z)} | {' | '.join(e)} |")
-    print()
-    print("known-sketch (default, sound): the adversary knows R; post-sketch clipping makes each release a Gaussian "
-          "mechanism, accounted with dp-accounting (replace-one: sensitivity 2 tau).")
-    print("secret-sketch: R hidden from every observer; our bound on the JOINT release of the N clients that share R "
-          "(fedlora/privacy/shared_sketch_bound.md), amplified by sampling without replacement (WBK19 Thm 9).")
-    print("per-message analysis: the paper's Lemma 2.7 per client, amplified the same way. It ignores the shared "
-          "sketch and is shown only to explain the paper's numbers: never use it as a privacy claim.")
+    print("\n".join(paper.table_lines(rows)))
 
 
 def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
@@ -412,7 +399,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
                   'set noise-source = "os" for anything released)')
         budget, ledger = config.budget(), plan.new_ledger(config)
         if budget is not None and plan.planned.epsilon > budget:
-            if ledger.would_exceed_budget(protocol.phase(1), plan.releases[protocol.phase(1)], sampling_of(config)):
+            if ledger.would_exceed_budget(protocol.phase(1), plan.phase_releases[protocol.phase(1)], sampling_of(config)):
                 raise CLIError(f"The budget epsilon = {budget:g} does not cover one round at noise multiplier "
                                f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
             print(f"  budget: epsilon = {budget:g} ({ledger.trust_model}); the run stops before the round that "

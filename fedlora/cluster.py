@@ -263,7 +263,7 @@ class LocalCluster:
     def __init__(self, cpus: list[int], *, node_env: dict[int, dict[str, str]] | None = None):
         self.cpus, self.node_env = cpus, node_env or {}
         self.ip = _node_ip()
-        self.port = _free_port()
+        self.port = free_port("")
         self.address = f"{self.ip}:{self.port}"
         # a short folder of its own: Ray's socket paths must fit 107 bytes, and `ray.init()` elsewhere must not find it
         self.temp_dir = Path(tempfile.mkdtemp(prefix="rayc", dir="/tmp"))
@@ -336,7 +336,8 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now ("": on every interface, as a Ray head listens)."""
     with socket.socket() as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]

@@ -81,7 +81,8 @@ class RunConfig:
     strategy: str = _opt("sgmm-ffa-lora", "the algorithm", choices=tuple(ALGORITHMS))
     num_clients: int = _opt(500, "C, clients in the federation", low=1, high=10 ** 7)
     clients_per_round: int = _opt(50, "N, clients sampled per round (fixed sampling; Poisson uses N / C)", low=1)
-    sampling: str = _opt("fixed", "client sampling", choices=("fixed", "poisson"))
+    sampling: str = _opt("fixed", "client sampling: exactly N, or each client with rate N / C (poisson: with noise at "
+                                  "the server only)", choices=("fixed", "poisson"))
     num_rounds: int = _opt(10, "T, federated rounds", low=1, high=10 ** 5)
     local_steps: int = _opt(2, "K, local steps per round", low=1)
     batch_size: int = _opt(16, "B, local mini-batch size", low=1)
@@ -99,7 +100,7 @@ class RunConfig:
     target_epsilon: float = _opt(8.0, "privacy budget epsilon: the noise is calibrated to spend it in num-rounds (or, "
                                       "with a noise-multiplier, the run stops before passing it; 0: no budget)",
                                  low=0.0)
-    delta: float = _opt(1e-5, "delta", low=0.0, high=1.0, low_open=True)
+    delta: float = _opt(1e-5, "delta", low=0.0, high=1.0, low_open=True, high_open=True)
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
     clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
@@ -275,8 +276,6 @@ class RunConfig:
         if self.min_replies > self.clients_per_round:
             problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
                             f"({self.clients_per_round}).")
-        if self.delta >= 1:
-            problems.append(f"delta must lie in (0, 1), got {self.delta}.")
         if self.client_ranks and algorithm.family is not LoRAMode.FLEX:
             problems.append("client-ranks (heterogeneous ranks) needs a FlexLoRA strategy: FFA averages B, "
                             "which needs one rank.")
@@ -291,6 +290,11 @@ class RunConfig:
             problems.append(f"{self.strategy} is private: set target-epsilon > 0, or a noise-multiplier > 0.")
         if self.threat_model == "secret-sketch" and algorithm.sketched and self.sampling == "poisson":
             problems.append("Secret-sketch accounting supports fixed-size sampling only: set sampling = \"fixed\".")
+        elif algorithm.private and self.sampling == "poisson" and self.noise_placement == "client":
+            problems.append("sampling = \"poisson\" with noise-placement = \"client\" is refused: each client adds its "
+                            "own noise, so the model's noise grows with the number of participants and reveals it, "
+                            "which Poisson accounting assumes hidden; use sampling = \"fixed\" or noise-placement = "
+                            "\"server\".")
         if self.sketch_secret == "node-file" and not (self.threat_model == "secret-sketch" and algorithm.sketched):
             problems.append("sketch-secret = \"node-file\" is for sketched strategies under threat-model = "
                             "\"secret-sketch\"; under known-sketch the server broadcasts the sketch seeds.")

@@ -43,7 +43,7 @@ class NoisePlan:
 
     noise_multiplier: float  # LoRA rounds
     probe_noise_multiplier: float  # linear-probe rounds (head = probe)
-    releases: dict  # phase -> one round's release
+    phase_releases: dict  # phase -> one round's release
     reports: dict  # observer -> the guarantee after all rounds ({} if not private)
     target_observer: str = "model"  # whose epsilon target-epsilon calibrates
 
@@ -73,7 +73,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
     model = protocol.build_model()
     sampling = sampling_of(config)
     probe_rounds = config.linear_probe_rounds()
-    head = protocol.client_message(model, PROBE)
+    head, message = protocol.client_message(model, PROBE), protocol.client_message(model, LORA)
 
     def probe_release(z: float):
         return protocol.release_of(head, gaussian_mechanism(clip_norm=config.clip_norm, noise_multiplier=z,
@@ -82,7 +82,6 @@ def noise_for(config: RunConfig) -> NoisePlan:
     count = (protocol.clipping.release(),) if protocol.clipping is not None else ()
 
     def lora_release(z: float):
-        message = protocol.client_message(model, LORA)
         at_z = Protocol(config, z)
         return at_z.release_of(message, at_z.mechanism) + count
 
@@ -262,7 +261,8 @@ def format_progress(row: dict, config: RunConfig) -> str:
     accuracy = f"{row['accuracy']:6.3f}" if measured else "     -"
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
     eps += "".join(f", {value:.3f} {label}"
-                   for value, label in other_observers(row.get("epsilon_by_observer", {}), row.get("observer")))
+                   for value, label in other_observers(row.get("epsilon_by_observer", {}), row.get("observer"),
+                                                       config.threat_model))
     line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"

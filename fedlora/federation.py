@@ -431,8 +431,11 @@ class Protocol:
             return os_generator()
         return np.random.default_rng(derive_seed(self.config.seed, "sampling", release))
 
-    def simulation_noise(self, release: int, partition_id: int) -> torch.Generator:
-        """Seeded client noise, for reproducible simulations only (deployed clients use OS randomness)."""
+    def client_noise(self, release: int, partition_id: int) -> torch.Generator | None:
+        """A client's noise: seeded from the run seed in simulations that ask for it, else None, the OS's secure
+        randomness (deployed clients)."""
+        if self.config.noise_source != "seeded":
+            return None
         return torch.Generator().manual_seed(derive_seed(self.config.seed, "noise", release, partition_id))
 
     # -- server side -----------------------------------------------------------------------------

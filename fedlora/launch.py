@@ -28,7 +28,7 @@ from pathlib import Path
 import psutil
 
 from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
-from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, wait_for_live_nodes
+from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, free_port, wait_for_live_nodes
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
@@ -71,12 +71,6 @@ def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: boo
         "[tool.flwr.app.components]", f'serverapp = "{server_app}"', f'clientapp = "{client_app}"',
         "", "[tool.flwr.app.config]", *[f"{k} = {_toml_value(v)}" for k, v in values.items()], ""]))
     return app_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Flower:

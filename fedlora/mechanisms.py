@@ -3,17 +3,18 @@
 A message is an ordered mapping ``name -> tensor`` holding everything a client sends in one
 round (all LoRA factors, and the classifier head when it is trained). Names say how an entry is
 sketched (see ``fedlora.sketch.side_of``). Clipping is always on the Frobenius norm of the
-WHOLE message, all entries together (../shared/design/PRIVACY.md, section 1).
+WHOLE message, all entries together (docs/explanation/sketched-mechanisms.md).
 
 One ``Mechanism`` class covers GM, SGMM, SGMV and the non-private baselines: they differ only in
 the sketch they compose with and in their noise. As in pfl-research, a mechanism is two steps:
 ``constrain`` (clip, sketch, clip again: bounds what one client can change, always on the client)
 and ``add_noise``, done by each client to its own message or by the server to the sum of the
-round's messages, as its ``placement`` says. Both placements release the same Gaussian mechanism to
-whoever sees the aggregate without knowing who took part (same z, same amplified epsilon); they differ
+round's messages, as its ``placement`` says. Noise at the client and at the server release the same Gaussian
+mechanism to whoever sees the aggregate without knowing who took part (same z, same amplified epsilon); they differ
 in what the server sees: with noise at the client each noisy message and whose it is (so against the
 server the epsilon is the known-sample one, without amplification), with noise at the server every
-message before the noise (no guarantee against it).
+message before the noise (no guarantee against it). Under secure aggregation (``NoisePlacement.SECAGG``)
+each client adds a share of integer Skellam noise that the server sees only summed (fedlora.secure_sum).
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ Message = dict[str, Tensor]
 
 
 class ThreatModel(str, Enum):
-    """Who may know the sketch (../shared/design/PRIVACY.md, section 3)."""
+    """Who may know the sketch (docs/explanation/threat-models.md)."""
 
     KNOWN_SKETCH = "known-sketch"  # default and sound: the adversary knows R
     SECRET_SKETCH = "secret-sketch"  # the paper's assumption: R hidden from every observer
 
 
 class NoisePlacement(str, Enum):
-    """Where the noise is added (../shared/design/PRIVATE_LEARNING.md, lever 1)."""
+    """Where the noise is added (docs/explanation/threat-models.md): it decides who the epsilon holds against."""
 
     CLIENT = "client"  # the paper: every client noises its own message; against the server, who knows whose, unamplified
     SERVER = "server"  # central DP: the server noises the sum; it holds against all who see the model, not the server

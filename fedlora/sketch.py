@@ -8,7 +8,7 @@ guarantees the same stream on every platform, whereas torch's CPU and CUDA gener
 different numbers for the same seed: a CPU client and a CUDA client must de-sketch with the
 very same R, so bit-identity across devices wins over generating on the device.
 
-Conventions (../shared/design/PRIVACY.md, section 1):
+Conventions:
 - R has i.i.d. N(0, 1/b) entries (variance 1/b), so E[R^T R] = I.
 - A message entry named ``*lora_B`` (m x r) is sketched from the left: R B, R in R^{b x m}; so is FlexLoRA's
   update, the change of a layer's product B A (``*lora_BA``, m x k): R (B A - B0 A0).

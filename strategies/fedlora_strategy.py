@@ -53,7 +53,7 @@ class FedLoRAStrategy(Strategy):
     """
 
     def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
-                 sampling: SamplingScheme, releases: dict, *, save: Callable[[], None] = lambda: None,
+                 sampling: SamplingScheme, phase_releases: dict, *, save: Callable[[], None] = lambda: None,
                  simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None):
         self.protocol = protocol
         self.config = protocol.config
@@ -61,7 +61,7 @@ class FedLoRAStrategy(Strategy):
         self.template = state.message  # the dense initial state: names, full-rank shapes and dtypes
         self.ledger = ledger
         self.sampling = sampling
-        self.phase_releases = releases  # phase -> what one release of that phase is, for the ledger
+        self.phase_releases = phase_releases  # phase -> what one release of that phase is, for the ledger
         self.save = save
         self.progress = progress  # (round, replies arrived, messages sent) while a round's replies come in
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)

@@ -44,7 +44,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)),
                            rows=saved.rows if saved else None)
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
-                               sampling_of(config), plan.releases, save=lambda: recorder.save(strategy.checkpoint()),
+                               sampling_of(config), plan.phase_releases, save=lambda: recorder.save(strategy.checkpoint()),
                                simulated=simulated, progress=recorder.progress)
     # what this launch did before its first round (the nodes' query is added by the strategy), in that round's row
     strategy.startup = {"process": began - psutil.Process().create_time(), "noise calibration": calibrated - began,

@@ -103,7 +103,7 @@ def test_privacy_calibrates_for_a_target(capsys):
 
 def test_privacy_poisson_and_non_private(capsys):
     result = _json(capsys, ["privacy", "--strategy", "gm-flexlora", "--noise-multiplier", "1.5", "--sampling",
-                            "poisson", "--sampling-rate", "0.0064", "--json"])
+                            "poisson", "--sampling-rate", "0.0064", "--noise-placement", "server", "--json"])
     assert result["sampling"] == "poisson" and result["epsilon"] == pytest.approx(0.352, abs=0.005)  # PLD
     assert main(["privacy", "--strategy", "ffa-lora", "--noise-multiplier", "0"]) == 0
     assert "epsilon = inf (not private)" in capsys.readouterr().out
@@ -123,6 +123,7 @@ def test_privacy_poisson_and_non_private(capsys):
     (["--noise-multiplier", "1", "--strategy", "sgmv-flexlora"], "Remark 3.2"),
     (["--noise-multiplier", "1", "--strategy", "fedavg"], "Unknown strategy"),
     (["--noise-multiplier", "1", "--threat-model", "secret-sketch", "--sampling", "poisson"], "fixed-size sampling"),
+    (["--noise-multiplier", "1", "--sampling", "poisson"], "--sampling poisson needs --noise-placement server"),
     (["--noise-multiplier", "1", "--target-epsilon", "1"], "not allowed with argument"),
     (["--target-epsilon", "1", "--strategy", "ffa-lora"], "ffa-lora adds no noise and is not private"),
     (["--noise-multiplier", "inf"], "argument --noise-multiplier: 'inf' is not a finite number"),

@@ -698,7 +698,7 @@ def test_groups_released_on_the_host_s_thread_release_what_they_release_one_afte
 
     def release(group, trained):
         return protocol.release_clients(trained, round_=1, release=1, clip_norm=config.clip_norm,
-                                        noises=[protocol.simulation_noise(1, p) for p in group])
+                                        noises=[protocol.client_noise(1, p) for p in group])
 
     threaded, sequential = (overlapped(groups, train, release, background=b) for b in (True, False))
     for one, other in zip((r for g in threaded for r in g), (r for g in sequential for r in g)):

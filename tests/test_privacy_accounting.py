@@ -140,15 +140,16 @@ def test_ledger_after_t_rounds_equals_the_accountant():
     ledger = PrivacyLedger(delta=1e-5, threat_model="known-sketch")
     reports = [ledger.record("lora", (GaussianRelease(1.5),), FIXED) for _ in range(20)]
     assert [r.epsilon for r in reports] == sorted(r.epsilon for r in reports)
-    assert ledger.rounds == 20 and len(ledger.history) == 20
+    assert ledger.rounds == 20
     assert ledger.epsilon == pytest.approx(epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch").epsilon)
-    assert ledger.history[-1]["threat_model"] == \
+    assert reports[-1].threat_model == \
         "known-sketch, noise at the client; against observers of the model (sample hidden)"
     against_server = epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch", observer="server").epsilon
-    assert ledger.history[-1]["epsilons"] == {"model": ledger.epsilon, "server": against_server}
+    by_observer = {o: r.epsilon for o, r in ledger.reports().items()}
+    assert by_observer == {"model": ledger.epsilon, "server": against_server}
     assert against_server > ledger.epsilon
     restored = PrivacyLedger.from_dict(ledger.to_dict())
-    assert restored.epsilon == ledger.epsilon and restored.history == ledger.history
+    assert restored == ledger and restored.reports() == ledger.reports()
 
 
 def test_ledger_stops_before_the_budget():
@@ -259,7 +260,7 @@ def test_the_clip_count_raises_the_update_noise_as_andrew_et_al():
     z = noise_for(RunConfig.from_mapping(base)).noise_multiplier
     plan = noise_for(RunConfig.from_mapping({**base, "clip-quantile": 0.5, "clip-count-stddev": 2.0}))
     assert plan.noise_multiplier == pytest.approx((z ** -2 - 4.0 ** -2) ** -0.5, rel=5e-3)
-    assert plan.planned.epsilon <= 8.0 and plan.releases["lora"][-1] == GaussianRelease(4.0)
+    assert plan.planned.epsilon <= 8.0 and plan.phase_releases["lora"][-1] == GaussianRelease(4.0)
     with pytest.raises(ValueError, match="clip count's noise alone"):
         noise_for(RunConfig.from_mapping({**base, "clip-quantile": 0.5, "clip-count-stddev": 0.3}))
 
@@ -392,7 +393,6 @@ def test_every_label_names_its_observer():
         assert list(reports) == [o.value for o in observers(placement)]
         for observer, report in reports.items():
             assert report.threat_model.endswith(OBSERVER_LABELS[observer]) and report.observer == observer
-        assert set(ledger.history[-1]["epsilons"]) == set(reports)
 
 
 def test_the_other_observers_are_the_finite_epsilons_besides_the_calibrated_one():
@@ -404,6 +404,17 @@ def test_the_other_observers_are_the_finite_epsilons_besides_the_calibrated_one(
     assert other_observers(secagg, Observer.SERVER) == [(8.0, OBSERVER_LABELS[Observer.MODEL]),
                                                         (830.0, OBSERVER_LABELS[Observer.ONE_REPLY])]
     assert other_observers({"model": 8.0, "server": math.inf}, "model") == []  # noise added by the server
+
+
+def test_a_secret_sketch_epsilon_names_the_observers_of_sketches_alone():
+    """The secret-sketch bound covers the sketched releases only: the clients hold R, and a model de-sketched with R
+    is not covered, so no secret-sketch number is labelled as holding against observers of the model."""
+    from fedlora.privacy.events import SKETCHES_ONLY, other_observers
+
+    secret = epsilon(_sgmm(1.5, 10), delta=1e-5, threat_model="secret-sketch")
+    assert secret.threat_model.endswith(SKETCHES_ONLY) and MODEL not in secret.threat_model
+    assert epsilon(_gm(1.5, FIXED, 10), delta=1e-5, threat_model="known-sketch").threat_model.endswith(MODEL)
+    assert other_observers({"model": 1.0, "server": 9.0}, "server", "secret-sketch") == [(1.0, SKETCHES_ONLY)]
 
 
 @pytest.mark.parametrize("scheme", [SamplingScheme("fixed", 5, clients_per_round=3), SamplingScheme("poisson", 5, rate=0.6)])

@@ -1,6 +1,6 @@
 """Client-level privacy accounting: release descriptions, RDP curves, accountants, calibration, the run ledger.
 
-See ../shared/design/PRIVACY.md for the threat models and fedlora/privacy/shared_sketch_bound.md for the
+See docs/explanation/threat-models.md for the threat models and fedlora/privacy/shared_sketch_bound.md for the
 secret-sketch joint-release bound.
 
 Names load on first use: a client describing its release (``events``) never imports the accountants

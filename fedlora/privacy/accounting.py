@@ -15,7 +15,7 @@
   round's clipped messages gets N(0, z^2 tau^2), the Gaussian mechanism each client's own noise
   gives under noise at the client, with the same sensitivity. It changes who the guarantee holds
   against, so every report names it (``placement``); the secret-sketch bound is refused there.
-- Who looks (``Observer``, ../shared/design/PRIVACY.md section 3b): sampling amplifies only against
+- Who looks (``Observer``, docs/explanation/threat-models.md): sampling amplifies only against
   an observer who does not know the sample. The server draws it, so against the server (noise at
   the client, or secure aggregation) the accountant conditions on the rounds the client took part in,
   k ~ Bin(T, q): delta(eps) = E_k delta_k(eps), under replace-one (sensitivity 2 tau; a server that

@@ -2,7 +2,7 @@
 aggregation's distributed Skellam mechanism, and the closed-form Renyi divergences between Gaussians that test
 them. Pure NumPy; no accountant here.
 
-Notation (../shared/design/PRIVACY.md): the release of one matrix X (m x r, ||X||_F <= tau) is b
+Notation (fedlora.sketch): the release of one matrix X (m x r, ||X||_F <= tau) is b
 i.i.d. rows y_i ~ N(0, X^T X / b + sigma^2 I_r) when R is secret. z = sigma / tau.
 The derivation of the shared-sketch bound is in shared_sketch_bound.md beside this file.
 """

@@ -19,7 +19,7 @@ class Sampling(str, Enum):
 
 
 class Observer(str, Enum):
-    """Who an epsilon holds against (../shared/design/PRIVACY.md, section 3b). Amplification by sampling needs the
+    """Who an epsilon holds against (docs/explanation/threat-models.md). Amplification by sampling needs the
     sample hidden from the observer; the server draws it, so against the server it does not amplify."""
 
     MODEL = "model"  # sees what the server releases (every round's model), not who took part
@@ -32,13 +32,25 @@ OBSERVER_LABELS = {
     Observer.SERVER: "against the server (sample known)",
     Observer.ONE_REPLY: "against a server that breaks SecAgg+ (one reply alone, sample known)",
 }
+# The secret-sketch bound covers the sketched releases alone: every client holds R, and a model de-sketched with R
+# leaks its round's messages as a Gaussian mechanism does (fedlora/privacy/shared_sketch_bound.md).
+SKETCHES_ONLY = ("against observers of the sketched releases only (sample and R hidden: not the clients, not "
+                 "whoever holds a de-sketched model)")
 
 
-def other_observers(epsilon_by_observer: dict[str, float], calibrated: Observer | str | None
-                    ) -> list[tuple[float, str]]:
+def observer_label(observer: Observer | str, threat_model: str = "known-sketch") -> str:
+    """Whom an epsilon of ``threat_model`` against ``observer`` holds against, in words."""
+    observer = Observer(observer)
+    if observer is Observer.MODEL and threat_model == "secret-sketch":
+        return SKETCHES_ONLY
+    return OBSERVER_LABELS[observer]
+
+
+def other_observers(epsilon_by_observer: dict[str, float], calibrated: Observer | str | None,
+                    threat_model: str = "known-sketch") -> list[tuple[float, str]]:
     """The finite epsilons, with their labels, against the observers besides the one a run was calibrated for (an
     infinite one, e.g. the server placement's against the server, is left to the placement's name)."""
-    return [(value, OBSERVER_LABELS[Observer(observer)]) for observer, value in epsilon_by_observer.items()
+    return [(value, observer_label(observer, threat_model)) for observer, value in epsilon_by_observer.items()
             if observer != calibrated and math.isfinite(value)]
 
 
@@ -53,15 +65,14 @@ def trust_label(threat_model: str, placement: str, observer: Observer | str | No
                 server_derives_sketch: bool = False) -> str:
     """How every epsilon is labelled: who may know the sketch, where the noise is added, whether it is a seeded
     simulation's, and (given ``observer``) whom the number holds against."""
-    if server_derives_sketch:
-        threat_model += " (a simulation: the server derives R)"
+    derived = " (a simulation: the server derives R)" if server_derives_sketch else ""
     where = ("noise in client shares under secure aggregation" if placement == "secagg"
              else f"noise at the {placement}")
-    label = f"{threat_model}, {where}"
+    label = f"{threat_model}{derived}, {where}"
     if seeded:
         label += ", seeded noise (a simulation)"  # whoever holds the run seed removes it
     if observer is not None:
-        label += f"; {OBSERVER_LABELS[Observer(observer)]}"
+        label += f"; {observer_label(observer, threat_model)}"
     return label
 
 

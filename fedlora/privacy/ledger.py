@@ -1,4 +1,5 @@
-"""The privacy ledger of one run: epsilon spent after every round, and the stop before the budget breaks.
+"""The privacy ledger of one run: the releases so far, the epsilon they spend, and the stop before the budget
+breaks.
 
 Strategies record every round in which clients were sampled (whether or not their replies
 arrived: a sampled client counts as a release). The ledger is plain data, so checkpoints can
@@ -25,7 +26,6 @@ class PrivacyLedger:
     threat_model: str
     target_epsilon: float | None = None  # the budget; None: record without a limit
     phases: list[Phase] = field(default_factory=list)
-    history: list[dict] = field(default_factory=list)  # one entry per recorded round
     placement: str = "client"  # where the noise is added: part of every epsilon's label
     target_observer: str = Observer.MODEL.value  # whose epsilon the budget limits
     seeded: bool = False  # noise drawn from the run seed (a simulation): said in every label
@@ -88,18 +88,13 @@ class PrivacyLedger:
         """Counts one more release of phase ``name`` (e.g. "linear-probe", then "lora"; phases compose) and
         returns the guarantee after it."""
         self.phases = self._with_release(name, release, sampling)
-        reports = self.reports()
-        report = reports[Observer(self.target_observer).value]
-        self.history.append({"phase": name, "round": self.rounds, "epsilon": report.epsilon,
-                             "delta": self.delta, "threat_model": report.threat_model, "method": report.method,
-                             "epsilons": {o: r.epsilon for o, r in reports.items()}})
-        return report
+        return self.report()
 
     def to_dict(self) -> dict:
         """JSON-ready state, for checkpoints."""
         return {"delta": self.delta, "threat_model": self.threat_model, "target_epsilon": self.target_epsilon,
                 "placement": self.placement, "target_observer": self.target_observer, "seeded": self.seeded,
-                "server_derives_sketch": self.server_derives_sketch, "history": list(self.history),
+                "server_derives_sketch": self.server_derives_sketch,
                 "phases": [{"name": p.name, "rounds": p.rounds,
                             "sampling": {**dataclasses.asdict(p.sampling), "kind": p.sampling.kind.value},
                             "release": [{"type": type(r).__name__, **dataclasses.asdict(r)} for r in p.release]}
@@ -110,6 +105,6 @@ class PrivacyLedger:
         phases = [Phase(p["name"],
                         tuple(_RELEASES[r["type"]](**{k: v for k, v in r.items() if k != "type"}) for r in p["release"]),
                         SamplingScheme(**p["sampling"]), p["rounds"]) for p in state["phases"]]
-        return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases, list(state["history"]),
+        return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases,
                    state.get("placement", "client"), state.get("target_observer", Observer.MODEL.value),
                    state.get("seeded", False), state.get("server_derives_sketch", False))

@@ -77,3 +77,32 @@ def paper_table() -> list[PaperRow]:
                         allow_unsound_per_message=a == "per-message").epsilon
              for a in ANALYSES}))
     return rows
+
+
+def table_lines(rows: list[PaperRow]) -> list[str]:
+    """``paper_table``'s rows as markdown: the setting, the table and what each analysis assumes."""
+    lines = [f"Setting: C = {NUM_CLIENTS}, N = {CLIENTS_PER_ROUND} a round sampled without replacement (replace-one), "
+             f"T = {ROUNDS}, delta = {DELTA:g}, r = {RANK}, b = {SKETCH_DIMS['sgmm']}, h = {SKETCH_DIMS['sgmv']}; "
+             f"target epsilon {TARGET_EPSILON}, noise at the client as in the paper.",
+             "",
+             "| strategy | paper z | " + " | ".join(f"z, {a}" for a in ANALYSES) + " | "
+             + " | ".join(f"epsilon at paper z, {a}" for a in ANALYSES) + " |",
+             "|---|---:|" + "---:|" * (2 * len(ANALYSES))]
+    lines += [f"| {row.strategy} | {row.paper_noise_multiplier:.2f} | "
+              + " | ".join(f"{row.calibrated[a]:.3f}" for a in ANALYSES) + " | "
+              + " | ".join(f"{row.epsilon_at_paper_noise[a]:.3f}" for a in ANALYSES) + " |" for row in rows]
+    return lines + [
+        "",
+        "- Every epsilon here is amplified by sampling: it holds against observers who do not know the round's "
+        "sample. The server draws the sample and, with noise at the client, sees whose message is whose: against it "
+        "sampling does not amplify and the epsilons are larger (docs/explanation/threat-models.md).",
+        "- known-sketch (the default, sound): the adversary knows R; every strategy is then a Gaussian mechanism of "
+        "the clipped message, accounted with dp-accounting (replace-one: sensitivity 2 tau).",
+        "- secret-sketch: our bound on the joint release of the N clients sharing R "
+        "(fedlora/privacy/shared_sketch_bound.md), amplified by sampling without replacement (WBK19 Thm 9). It holds "
+        "only against observers of the sketched releases, who know neither R nor the sample: not against the "
+        "clients, who derive R, nor against whoever holds a model they de-sketched, which leaks a round's messages "
+        "as a Gaussian mechanism does (a guarantee against them needs known-sketch, the default: its columns).",
+        "- per-message: the paper's Lemma 2.7 per client, amplified the same way. It ignores the shared sketch: "
+        "UNSOUND, shown only to explain the paper's numbers, never a privacy claim.",
+    ]
