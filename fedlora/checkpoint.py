@@ -22,13 +22,18 @@ from fedlora.federation import GlobalState
 STATE_FILE = "global-state.safetensors"
 # The layout of the file's metadata and tensors. Bumped whenever it changes: a run is resumed only by a fedlora that
 # reads its checkpoint's format (files without the field are format 1, the first). Format 2 adds the last round's
-# telemetry (round_info); a format-1 file reads as one without it.
-CHECKPOINT_FORMAT = 2
-READABLE_FORMATS = (1, 2)
+# telemetry (round_info); a format-1 file reads as one without it. Format 3 drops the ledger's per-round history
+# (metrics.jsonl has every round), which fedlora versions reading format 2 require; earlier files still read.
+CHECKPOINT_FORMAT = 3
+READABLE_FORMATS = (1, 2, 3)
 OPTIMIZER_PREFIX = "server-optimizer/"
 
 RUNNING, FINISHED, BUDGET_SPENT, STALLED, RESTART = "running", "finished", "budget-spent", "stalled", "restart"
 ENDED = (FINISHED, BUDGET_SPENT)  # a run in any other status can be resumed
+
+
+class UnreadableFormat(ValueError):
+    """A checkpoint written by a fedlora whose format this one cannot read (not damage)."""
 
 
 @dataclass
@@ -82,7 +87,9 @@ class Checkpoint:
             raise ValueError(f"'{run_dir}' holds no {STATE_FILE}: is it a fedlora run directory?")
         try:
             return cls._read(path, run_dir)
-        except (SafetensorError, KeyError, TypeError, json.JSONDecodeError) as error:
+        except UnreadableFormat:
+            raise
+        except (SafetensorError, KeyError, TypeError, ValueError) as error:  # ValueError: JSON, or a number that is not
             raise ValueError(f"'{path}' is damaged ({type(error).__name__}: {error}): restore it from a copy, or "
                              "start the run again.") from None
 
@@ -93,9 +100,9 @@ class Checkpoint:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
             if int(metadata.get("format", 1)) not in READABLE_FORMATS:
-                raise ValueError(f"The checkpoint in '{run_dir}' has format {metadata['format']}; this fedlora "
-                                 f"reads formats {', '.join(map(str, READABLE_FORMATS))}: continue the run with the "
-                                 "fedlora that wrote it.")
+                raise UnreadableFormat(f"The checkpoint in '{run_dir}' has format {metadata['format']}; this "
+                                       f"fedlora reads formats {', '.join(map(str, READABLE_FORMATS))}: continue the "
+                                       "run with the fedlora that wrote it.")
             tensors = {n: f.get_tensor(n) for n in f.keys()}
         state = GlobalState({n: t for n, t in tensors.items() if not n.startswith(OPTIMIZER_PREFIX)},
                             int(metadata["produced_by"]))

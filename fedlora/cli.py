@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -62,8 +63,57 @@ def _output_dir(path, flag: str):
     if not existing.is_dir():
         raise CLIError(f"{flag} '{path}' cannot be made: '{existing}' is a file.")
     if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == path.absolute():
+            raise CLIError(f"{flag} '{path}' is not writable.")
         raise CLIError(f"{flag} '{path}' cannot be made: '{existing}' is not writable.")
     return path
+
+
+_HELD: list = []  # (lock file, directories made) per run directory this command holds: released as main returns
+_RESUME_HINT: list[str] = []  # how to continue the run this command started, once it has a directory
+
+
+def _claim(out_dir, command: str, *, default_name: bool):
+    """Makes the run directory and locks it for as long as this command runs, so that a second run or resume of it
+    is refused in one line instead of writing into the same files. A default name (the strategy and the second)
+    taken already gets a suffix: two runs started in the same second get two directories. What it makes is removed
+    again if the command ends without writing there (``_release``)."""
+    import fcntl
+    import itertools
+
+    base = out_dir
+    for n in itertools.count(2):
+        made = [p for p in (out_dir.absolute(), *out_dir.absolute().parents) if not p.exists()]  # deepest first
+        try:
+            out_dir.mkdir(parents=True, exist_ok=not default_name)
+            break
+        except FileExistsError:
+            out_dir = base.with_name(f"{base.name}-{n}")
+        except OSError as error:  # what _output_dir could not foresee (/proc lets root pass its check)
+            raise CLIError(f"The run directory '{out_dir}' cannot be made: {error.strerror or error}.") from None
+    lock = open(out_dir / ".lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise CLIError(f"'{out_dir}' is in use by another fedlora command (a run or resume of it has not ended): "
+                       "wait for it, or choose another --out.") from None
+    _HELD.append((lock, made))
+    _RESUME_HINT[:] = [f"fedlora {command} --resume {out_dir}"]
+    return out_dir
+
+
+def _release() -> None:
+    """Unlocks the run directories this command claimed, and removes those it made and left empty (a command refused
+    after its claim, e.g. for credentials it lacks, leaves nothing behind)."""
+    while _HELD:
+        lock, made = _HELD.pop()
+        lock.close()
+        if made and os.listdir(made[0]) == [".lock"]:
+            os.unlink(os.path.join(made[0], ".lock"))
+            for directory in made:
+                with contextlib.suppress(OSError):  # a parent another command writes into stays
+                    os.rmdir(directory)
 
 
 def _trials(text: str) -> int:
@@ -84,58 +134,55 @@ def _float_arg(text: str) -> float:
 
 
 def describe(args: argparse.Namespace) -> dict:
-    """What one client uploads per round under each mechanism, and what its sketch costs, for a real model."""
-    from fedlora.lora import build_lora_model, get_adapters, get_head  # PEFT: imported only where needed
+    """What one client uploads per round under each mechanism, and what its sketch costs, for a real model: the
+    shapes the run's own Protocol expects of a client's message and its mechanism releases."""
+    from fedlora.config import RunConfig
+    from fedlora.federation import Protocol  # PEFT: imported only where needed
+    from fedlora.lora import build_lora_model, get_head
 
     spec = model_spec(args.model)
     if (spec.family, args.targets) not in TARGETS:
         raise CLIError(f"Unknown LoRA targets '{args.targets}'; choose 'qv' or 'all'.")
     model = build_lora_model(args.model, num_classes=args.num_classes, rank=args.rank, alpha=2.0 * args.rank,
                              targets=args.targets, mode=LoRAMode.FLEX, train_head=True)
-    adapters = get_adapters(model)
     head = sum(t.numel() for t in get_head(model).values())  # sent dense, never sketched
-    with_head = head if args.head == "message" else 0
     b, h, r = args.sketch_dim, args.vector_sketch_dim or args.sketch_dim * args.rank, args.rank
-    shapes = [(tuple(a.shape), tuple(bb.shape)) for a, bb in adapters.values()]
-    layers = [(m, k) for (_, k), (m, _) in shapes]
+    layers = list(adapted_layer_shapes(args.model, targets=args.targets).values())
     check_layer_sizes(get_algorithm("sgmm-flexlora"), layers, rank=r, sketch_dim=b)  # b sketches both sides
     check_layer_sizes(get_algorithm("sgmv-ffa-lora"), layers, rank=r, sketch_dim=h)
-    dense_b = sum(m * r for _, (m, r) in shapes)
-    dense_a = sum(r * k for (r, k), _ in shapes)
-    rows = {  # values uploaded per client per LoRA round (the head with them if it trains in the message), the
-        # multiply-adds of the sketch, and the values of its masked vector under SecAgg+, where FlexLoRA's clients
-        # send what the server's SVD sums: their products B A per layer (b x b sketched)
-        "ffa-lora / gm-ffa-lora (dense B)": (dense_b, 0, dense_b),
-        "flexlora / gm-flexlora (dense A, B)": (dense_a + dense_b, 0, sum(m * k for m, k in layers)),
-        f"sgmm-ffa-lora (R B, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes),
-                                        len(shapes) * b * r),
-        f"sgmv-ffa-lora (R_v vec(B), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes),
-                                               len(shapes) * h),
-        f"sgmm-flexlora (R B, A R_A, b={b})": (2 * len(shapes) * b * r,
-                                               sum(b * (m + k) * r for (_, k), (m, _) in shapes), len(shapes) * b * b),
-    } if args.message == "adapter" else {
-        "ffa-lora / gm-ffa-lora (dense change of B)": (dense_b, 0, dense_b),
-        "flexlora / gm-flexlora (dense change of B A)": (sum(m * k for m, k in layers), 0,
-                                                         sum(m * k for m, k in layers)),
-        f"sgmm-ffa-lora (R dB, b={b})": (len(shapes) * b * r, sum(b * m * r for _, (m, r) in shapes),
-                                         len(shapes) * b * r),
-        f"sgmv-ffa-lora (R_v vec(dB), h={h})": (len(shapes) * h, sum(h * m * r for _, (m, r) in shapes),
-                                                len(shapes) * h),
-        f"sgmm-flexlora (R d(B A), b={b})": (sum(b * k for _, k in layers), sum(b * m * k for m, k in layers),
-                                             sum(b * k for _, k in layers)),
+    adapter = args.message == "adapter"
+    rows = {  # row -> (the strategy whose messages it shows, its sketch dimension)
+        f"ffa-lora / gm-ffa-lora (dense {'B' if adapter else 'change of B'})": ("gm-ffa-lora", 0),
+        f"flexlora / gm-flexlora (dense {'A, B' if adapter else 'change of B A'})": ("gm-flexlora", 0),
+        f"sgmm-ffa-lora ({'R B' if adapter else 'R dB'}, b={b})": ("sgmm-ffa-lora", b),
+        f"sgmv-ffa-lora ({'R_v vec(B)' if adapter else 'R_v vec(dB)'}, h={h})": ("sgmv-ffa-lora", h),
+        f"sgmm-flexlora ({'R B, A R_A' if adapter else 'R d(B A)'}, b={b})": ("sgmm-flexlora", b),
     }
+    mechanisms = []
+    for row, (strategy, dim) in rows.items():
+        config = RunConfig.from_mapping({"strategy": strategy, "model": args.model, "rank": r, "targets": args.targets,
+                                         "sketch-dim": dim, "head": args.head, "message": args.message,
+                                         "num-classes": args.num_classes})
+        protocol = Protocol(config, 1.0)
+        lora_round = config.linear_probe_rounds() + 1
+        shapes = protocol.expected_message(protocol.initial_state(model).message, lora_round, r)
+        released = protocol.mechanism.released_shapes(shapes)
+        # under SecAgg+ FlexLoRA's clients send what the server's SVD sums: their products B A (b x b sketched)
+        values, secure = (sum(math.prod(s) for s in entries.values())
+                          for entries in (released, Protocol.secure_shapes(released)))
+        mechanisms.append({"strategy": row, "upload_values": values, "upload_bytes": values * _BYTES,
+                           "sketch_multiply_adds": sum(protocol.mechanism.sketch.multiply_adds(n, s)
+                                                       for n, s in shapes.items()),
+                           "upload_bytes_secagg_vector": secure * _SECAGG_BYTES})
     return {
         "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
-        "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(shapes),
+        "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(layers),
         "head": args.head, "head_values": head, "preset_model": getattr(args, "preset_model", None),
         "message": args.message,
-        "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for (r, k), (m, _) in shapes}),
+        "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for m, k in layers}),
         "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
-        "mechanisms": [{"strategy": name, "upload_values": values + with_head,
-                        "upload_bytes": (values + with_head) * _BYTES, "sketch_multiply_adds": flops,
-                        "upload_bytes_secagg_vector": (secure + with_head) * _SECAGG_BYTES}
-                       for name, (values, flops, secure) in rows.items()],
+        "mechanisms": mechanisms,
     }
 
 
@@ -364,24 +411,33 @@ def _print_paper_table(rows) -> None:
     print("\n".join(paper.table_lines(rows)))
 
 
-def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None):
-    """Checks and calibration before any process starts; prints what will run. Returns the run directory."""
+def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, used=None):
+    """Checks and calibration before any process starts; prints what will run. Returns the run directory.
+    ``used``: the noise multipliers a resumed run used, which its config must calibrate again."""
     import time
     from pathlib import Path
 
-    from fedlora.checkpoint import STATE_FILE
+    from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
     from fedlora.experiment import check_before_start, noise_for, sampling_of
     from fedlora.federation import Protocol
 
-    resuming = out_dir is not None
+    resuming, default_name = out_dir is not None, not (out_dir or args.out)
     out_dir = Path(out_dir or args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
     if not resuming and (out_dir / STATE_FILE).is_file():
-        raise CLIError(f"'{out_dir}' holds a run already: continue it with `fedlora run --resume {out_dir}`, or "
-                       "choose another --out.")
-    _output_dir(out_dir, "--out")
+        saved = Checkpoint.load(out_dir)
+        if saved.status in ENDED:
+            raise CLIError(f"'{out_dir}' holds a run that has ended ({saved.status}): choose another --out.")
+        raise CLIError(f"'{out_dir}' holds a run already: continue it with `fedlora {command} --resume {out_dir}`, "
+                       "or choose another --out.")
+    _output_dir(out_dir, "the run directory" if resuming else "--out")
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
+    if used is not None and (plan.noise_multiplier, plan.probe_noise_multiplier) != tuple(used):
+        raise CLIError(f"The config in '{out_dir}' calibrates noise multiplier {plan.noise_multiplier:.6g} where the "
+                       f"run used {used[0]:.6g}: config.json was changed, or this fedlora calibrates differently; "
+                       "restore it, or start a new run.")
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
+    out_dir = _claim(out_dir, command, default_name=default_name and not resuming)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
     if config.linear_probe_rounds():
@@ -418,12 +474,26 @@ def _command_start() -> float:
     return psutil.Process().create_time()
 
 
+def _spent(saved):
+    """The budget's guarantee after every release a checkpoint counts (a cut-short round's included); None if the run
+    is not private or has released nothing."""
+    from fedlora.privacy import PrivacyLedger
+
+    if saved is None or not saved.ledger or not saved.ledger["phases"]:
+        return None
+    return PrivacyLedger.from_dict(saved.ledger).report()
+
+
 def _done(rows: list[dict], out_dir, config) -> None:
     from fedlora.checkpoint import BUDGET_SPENT, Checkpoint
 
     saved = Checkpoint.load(out_dir)
     if saved.status == BUDGET_SPENT:
         print(f"stopped after round {saved.rounds_done}: {saved.reason}")
+    spent = _spent(saved)
+    if spent is not None and rows and not math.isclose(spent.epsilon, rows[-1]["epsilon"]):
+        print(f"privacy spent: epsilon {spent.epsilon:.3f} ({spent.threat_model}) in {saved.releases} releases: more "
+              f"than round {rows[-1]['round']}'s row says, since a round cut short counts its release")
     if not rows:
         print(f"done: no round completed; see {out_dir}")
         return
@@ -518,8 +588,16 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
     if given:
         raise CLIError(f"--resume continues a run with its own config, directory and security: drop --{given[0]}.")
     out_dir = Path(args.resume)
-    config, _, _ = load_run_config(out_dir)
-    saved = Checkpoint.load(out_dir) if (out_dir / STATE_FILE).is_file() else None
+    config, *used = load_run_config(out_dir)
+    state, metrics = out_dir / STATE_FILE, out_dir / "metrics.jsonl"
+    if state.exists() and not state.is_file():
+        raise CLIError(f"'{state}' is not a file: restore the checkpoint from a copy, or start the run again.")
+    if not state.is_file() and metrics.is_file() and metrics.read_text().strip():
+        # the checkpoint is written before the first release, so rounds without it mean it was lost
+        raise CLIError(f"'{out_dir}' has rounds in metrics.jsonl but no {STATE_FILE}: without its checkpoint the "
+                       "privacy the run spent is unknown, so it cannot continue; restore the file from a copy, or "
+                       "start a new run.")
+    saved = Checkpoint.load(out_dir) if state.is_file() else None
     if saved is not None and saved.status in ENDED:
         raise CLIError(f"The run in '{out_dir}' has ended ({saved.status}, {saved.rounds_done} rounds): there is "
                        "nothing to resume.")
@@ -530,10 +608,11 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
     if command == "deploy" and not deployed:
         raise CLIError(f"The run in '{out_dir}' was a simulation: continue it with `fedlora run --resume {out_dir}`.")
     checked = check(out_dir, config)
-    _prepare(args, config, command, out_dir=out_dir)
+    _prepare(args, config, command, out_dir=out_dir, used=used)
     done = saved.rounds_done if saved else 0
-    last = saved.rows[-1] if saved and saved.rows else None
-    epsilon = f", epsilon {last['epsilon']:.3f} ({last['threat_model']}) spent" if last else ""
+    spent = _spent(saved)
+    epsilon = (f", epsilon {spent.epsilon:.3f} ({spent.threat_model}) spent in {saved.releases} releases"
+               if spent else "")
     print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
     return out_dir, config, checked
 
@@ -808,12 +887,26 @@ def _stop_on_sigterm() -> None:
     import signal
     import threading
 
+    def terminated(signum, frame):
+        raise _Terminated(128 + signum)
+
     if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
-        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+        signal.signal(signal.SIGTERM, terminated)
+
+
+class _Terminated(SystemExit):
+    """SIGTERM, raised where the command is, so that its `finally` blocks run."""
+
+
+def _stopped(why: str) -> None:
+    """One line for a command stopped from outside: how to continue its run, if it started one."""
+    hint = f": continue the run with `{_RESUME_HINT[0]}`" if _RESUME_HINT else ""
+    print(f"fedlora: stopped by {why}{hint}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
+    _RESUME_HINT.clear()
     try:
         args = build_parser().parse_args(argv if argv is not None else sys.argv[1:] or ["run"])
         if args.command == "run":
@@ -884,6 +977,14 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # the reader left (`fedlora describe | head -1`): stop quietly, as Python's docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again
         return 1
+    except KeyboardInterrupt:
+        _stopped("Ctrl-C")
+        return 130
+    except _Terminated as stop:
+        _stopped("SIGTERM")
+        return stop.code
+    finally:
+        _release()
 
 
 if __name__ == "__main__":

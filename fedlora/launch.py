@@ -38,6 +38,7 @@ from fedlora.tracking import clear_progress, read_progress
 CONNECTION = "fedlora-local"
 DEPLOYMENT_FILE = "deployment.json"  # in a deployment's run directory: the credentials it runs with
 ENGINE_RESTARTS = 3  # restarts of a simulation that lost a Ray worker, per launch
+LAUNCH_MARK = "=== fedlora launch"  # starts each launch's part of a process's log
 
 
 class LaunchError(RuntimeError):
@@ -93,8 +94,11 @@ class Flower:
         return shutil.which(program, path=self.env["PATH"]) or program
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        """A process in its own session (a Ctrl-C to us does not reach it first), logging to <name>.log."""
-        with (self.out_dir / f"{name}.log").open("w") as log:
+        """A process in its own session (a Ctrl-C to us does not reach it first), logging to <name>.log: appended
+        to, after a line that marks this launch, so that a resumed run keeps its earlier launches' logs."""
+        with (self.out_dir / f"{name}.log").open("a") as log:
+            log.write(f"{LAUNCH_MARK} {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+            log.flush()
             process = subprocess.Popen([self.which(args[0]), *args[1:]], stdout=log, stderr=subprocess.STDOUT,
                                        env={**self.env, **(env or {})}, cwd=self.out_dir, start_new_session=True)
         self.processes.append(process)
@@ -271,6 +275,7 @@ def last_error(log: Path, limit: int = 200) -> str | None:
     if not log.is_file():
         return None
     lines = [ANSI.sub("", line).strip() for line in log.read_text(errors="replace").splitlines()]
+    lines = lines[max((i for i, line in enumerate(lines) if line.startswith(LAUNCH_MARK)), default=-1) + 1:]
     box, found = None, None  # the error box being read, and the last one read
     for line in lines:
         if line.startswith("╭─ Error"):

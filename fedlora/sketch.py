@@ -163,6 +163,9 @@ class NoSketch:
         """How much sketching can grow a message's norm: not at all."""
         return 1.0
 
+    def multiply_adds(self, name: str, shape: tuple[int, ...]) -> int:
+        return 0
+
     def __repr__(self) -> str:
         return "NoSketch()"
 
@@ -208,6 +211,10 @@ class MatrixSketch:
         """The shape of entry ``name`` (of ``shape``) once sketched: (b x r) for B, (r x b) for A."""
         side = side_of(name)
         return tuple(shape) if side is Side.DENSE else (self.dim, shape[1]) if side is Side.LEFT else (shape[0], self.dim)
+
+    def multiply_adds(self, name: str, shape: tuple[int, ...]) -> int:
+        """What sketching entry ``name`` (of ``shape``) costs: b m r for R B (b x m by m x r), b r k for A R_A."""
+        return 0 if side_of(name) is Side.DENSE else self.dim * math.prod(shape)
 
     def gain_bound(self, shapes: Mapping[str, tuple[int, ...]], x: float) -> float:
         """||sketch(X)|| <= gain ||X|| for a message of these entry shapes, except with probability 2 exp(-x)."""
@@ -276,6 +283,10 @@ class VectorSketch:
 
     def released_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(shape) if self._side(name) is Side.DENSE else (self.dim,)
+
+    def multiply_adds(self, name: str, shape: tuple[int, ...]) -> int:
+        """h m r for R_v vec(B): r times SGMM's b m r at h = b r (paper, Section 2)."""
+        return 0 if self._side(name) is Side.DENSE else self.dim * math.prod(shape)
 
     def gain_bound(self, shapes: Mapping[str, tuple[int, ...]], x: float) -> float:
         """||sketch(X)|| <= gain ||X|| for a message of these entry shapes, except with probability 2 exp(-x)."""

@@ -1,4 +1,6 @@
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -365,3 +367,23 @@ def test_a_damaged_run_directory_is_named_in_one_line(capsys, tmp_path):
         assert main(["run", "--resume", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("stop, code, why", [(KeyboardInterrupt, 130, "Ctrl-C"), (None, 143, "SIGTERM")])
+def test_a_command_stopped_from_outside_says_how_to_continue_its_run(monkeypatch, capsys, tmp_path, stop, code, why):
+    """Ctrl-C and SIGTERM end `fedlora run` through its clean-up, then one line names the resume command (no
+    traceback), and the run directory's lock is released."""
+    import fedlora.cli as cli
+
+    def interrupted(args):
+        cli._claim(tmp_path / "run", "run", default_name=False)
+        if stop is None:
+            cli._stop_on_sigterm()
+            os.kill(os.getpid(), signal.SIGTERM)
+        raise stop()
+
+    monkeypatch.setattr(cli, "run", interrupted)
+    assert main(["run"]) == code
+    err = capsys.readouterr().err
+    assert err == f"fedlora: stopped by {why}: continue the run with `fedlora run --resume {tmp_path / 'run'}`\n"
+    assert not cli._HELD

@@ -149,7 +149,8 @@ def _finished_run(path: Path, simulated: bool) -> Path:
 @pytest.mark.parametrize("case, message", [
     ("simulation", "was a simulation: continue it with `fedlora run --resume"),
     ("finished", "has ended (finished"),
-    ("format", "has format 99; this fedlora reads formats 1, 2"),
+    ("format", "has format 99; this fedlora reads formats 1, 2, 3"),
+    ("damaged", "is damaged (ValueError"),
     ("flags", "drop --set"),
     ("credentials", "The deployment's credentials lack"),
     ("nothing", "holds no config.json"),
@@ -158,14 +159,14 @@ def test_deploy_resume_bad_input_is_one_line_and_exit_2(capsys, tmp_path, case, 
     run = _finished_run(tmp_path / "run", simulated=case == "simulation") if case != "nothing" else tmp_path
     if case == "credentials":  # the folder it started with is gone
         (run / DEPLOYMENT_FILE).write_text(json.dumps({"credentials": str(tmp_path / "gone")}))
-    if case in ("finished", "format", "simulation", "credentials"):
+    if case in ("finished", "format", "damaged", "simulation", "credentials"):
         state = GlobalState({"w": torch.zeros(2)}, 0)
         Checkpoint(state, status=FINISHED if case == "finished" else RUNNING, simulated=case == "simulation").save(run)
-    if case == "format":
+    if case in ("format", "damaged"):
         from safetensors.torch import load_file, save_file
         from safetensors import safe_open
         with safe_open(str(run / STATE_FILE), framework="pt") as f:
-            metadata = {**f.metadata(), "format": "99"}
+            metadata = {**f.metadata(), "format": "99" if case == "format" else "abc"}
         save_file(load_file(str(run / STATE_FILE)), str(run / STATE_FILE), metadata=metadata)
     argv = ["deploy", "--resume", str(run)] + (["--set", "num-rounds=4"] if case == "flags" else [])
     assert main(argv) == 2

@@ -530,7 +530,7 @@ def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_s
     strategy = run(**{"noise-source": "os", "num-rounds": 1})
     assert strategy.rounds[1]["partitions"] == sampling_of(strategy.config).draw(np.random.default_rng(2 ** 70))
     assert strategy.rounds_done == 1 and "seeded" not in strategy.ledger.trust_model
-    assert set(strategy.ledger.history[-1]["epsilons"]) == {"model", "server"}
+    assert set(strategy.ledger.reports()) == {"model", "server"}
 
 
 def test_the_real_data_preset_learns_in_a_few_rounds(monkeypatch, tmp_path):

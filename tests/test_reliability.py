@@ -362,10 +362,78 @@ def test_resume_and_run_directories_refuse_bad_input_with_one_line(tmp_path, cap
     _run(tmp_path, num_rounds=1)
     for argv, message in [(["--resume", str(tmp_path)], "has ended (finished, 1 rounds)"),
                           (["--resume", str(tmp_path), "--set", "lr=1"], "its own config, directory and security: drop --set."),
-                          (["--out", str(tmp_path)], "holds a run already")]:
+                          (["--out", str(tmp_path)], "holds a run that has ended (finished): choose another --out")]:
         assert main(["run", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, argv
+
+
+def test_a_run_whose_checkpoint_is_lost_is_not_resumed_from_scratch(tmp_path, capsys):
+    """The checkpoint is written before the first release: a run with rounds but no checkpoint lost it, and starting
+    over would spend its clients' privacy a second time unaccounted."""
+    from fedlora.cli import main
+
+    _run(tmp_path, num_rounds=1)
+    (tmp_path / STATE_FILE).unlink()
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "has rounds in metrics.jsonl but no global-state.safetensors" in err and err.count("\n") == 1
+    (tmp_path / STATE_FILE).mkdir()
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    assert "global-state.safetensors' is not a file" in capsys.readouterr().err
+
+
+def test_the_privacy_a_cut_short_round_spent_is_reported(tmp_path, capsys):
+    """A release whose round was cut short stays counted (OS noise cannot be replayed): the resume line and the end of
+    the run report the ledger's epsilon, which metrics.jsonl's last row predates."""
+    from fedlora.checkpoint import RUNNING
+    from fedlora.cli import _done, _release, _resumable, _spent, build_parser
+
+    _run(tmp_path, num_rounds=2)
+    saved = Checkpoint.load(tmp_path)
+    spent = _spent(saved)  # two releases
+    assert spent.epsilon == pytest.approx(saved.rows[-1]["epsilon"])
+    # as if round 2's release left and the run stopped before its round ended
+    saved.rows, saved.rounds_done, saved.in_flight, saved.status = saved.rows[:1], 1, True, RUNNING
+    saved.simulated = True  # as `fedlora run` leaves it
+    saved.save(tmp_path)
+    assert spent.epsilon > saved.rows[-1]["epsilon"]
+    _done(saved.rows, tmp_path, RunConfig.from_mapping({**SMALL, "num-rounds": 2}))
+    assert f"privacy spent: epsilon {spent.epsilon:.3f} ({spent.threat_model}) in 2 releases" in capsys.readouterr().out
+    args = build_parser().parse_args(["run", "--resume", str(tmp_path)])
+    try:
+        _resumable(args, "run")
+        assert f"resuming after round 1 of 2, epsilon {spent.epsilon:.3f}" in capsys.readouterr().out
+        with pytest.raises(ValueError, match="is in use by another fedlora command"):  # this command holds it
+            _resumable(args, "run")
+    finally:
+        _release()
+
+
+def test_a_changed_config_is_refused_before_the_resumed_run_starts(tmp_path, capsys):
+    from fedlora.checkpoint import RUNNING
+    from fedlora.cli import main
+
+    _run(tmp_path, num_rounds=2)
+    saved = Checkpoint.load(tmp_path)
+    saved.status, saved.simulated = RUNNING, True
+    saved.save(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "num-rounds": 4}))
+    assert main(["run", "--resume", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json was changed, or this fedlora calibrates differently" in err and err.count("\n") == 1
+
+
+def test_two_runs_started_in_the_same_second_get_two_directories(tmp_path):
+    from fedlora.cli import _claim, _release
+
+    try:
+        first = _claim(tmp_path / "runs" / "sgmm-ffa-lora-20261128-140000", "run", default_name=True)
+        second = _claim(tmp_path / "runs" / "sgmm-ffa-lora-20261128-140000", "run", default_name=True)
+        assert (first.name, second.name) == ("sgmm-ffa-lora-20261128-140000", "sgmm-ffa-lora-20261128-140000-2")
+    finally:
+        _release()
 
 
 def test_a_state_file_from_before_checkpoints_counts_as_ended(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.config import RunConfig
-from fedlora.launch import LaunchError, last_error, record_fixed_cost, run_simulation
+from fedlora.launch import LAUNCH_MARK, LaunchError, last_error, record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
 from tests.helpers import leftover_flower_processes
@@ -212,6 +212,9 @@ def test_the_last_error_of_a_flower_log_is_the_one_that_says_why(tmp_path, form)
     assert last_error(tmp_path / "flower.log") == expected
     (tmp_path / "flower.log").write_text(text.replace("boom", "boom" * 100))
     assert len(last_error(tmp_path / "flower.log") or "") <= 200
+    # a resumed run's log keeps its earlier launches: only the last launch's part says why this one stopped
+    (tmp_path / "flower.log").write_text(FLOWER_LOGS["traceback"][0] + f"{LAUNCH_MARK} 2026-11-28 14:00:00\n" + text)
+    assert last_error(tmp_path / "flower.log") == expected
 
 
 def test_a_run_that_stops_before_its_first_round_says_why_in_its_one_line(tmp_path):
