@@ -904,67 +904,83 @@ def _stopped(why: str) -> None:
     print(f"fedlora: stopped by {why}{hint}", file=sys.stderr)
 
 
+def _credentials(args: argparse.Namespace) -> None:
+    from fedlora.credentials import make_credentials
+
+    creds = make_credentials(args.dir, hosts=tuple(args.host) or ("127.0.0.1", "localhost"), nodes=args.nodes)
+    print(f"Wrote {creds.root}: superlink/ for the SuperLink, supernode-<i>/ for device i, ca/ to keep "
+          "offline. The sketch secret is in every supernode-<i>/ and never goes to the server.")
+
+
+def _pretrain(args: argparse.Namespace) -> None:
+    from pathlib import Path
+
+    from fedlora import pretrain
+    from fedlora.data import fashion_mnist_unavailable_reason
+
+    if args.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
+        raise CLIError(reason)
+    if args.out and Path(args.out).is_dir():
+        raise CLIError(f"--out '{args.out}' is a directory: name the weights file to write.")
+    if args.out:
+        _output_dir(Path(args.out).parent, "--out's folder")
+    pretrain.pretrain(args.dataset, Path(args.out) if args.out else None, steps=args.steps)
+
+
+def _reconstruct(args: argparse.Namespace) -> None:
+    from fedlora.experiment import reconstruct
+
+    accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)
+    print(f"test accuracy {accuracy:.3f}, loss {loss:.3f}")
+
+
+def _audit(args: argparse.Namespace) -> None:
+    result = audit(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+
+
+def _describe(args: argparse.Namespace) -> None:
+    if args.config:
+        _from_config(args, "describe")
+    report = describe(args)
+    print(json.dumps(report, indent=2)) if args.json else _print_describe(report)
+
+
+def _privacy(args: argparse.Namespace) -> None:
+    if args.paper_table:
+        from dataclasses import asdict
+
+        from fedlora.privacy.paper import paper_table
+
+        rows = paper_table()
+        print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
+        return
+    if args.config:
+        result = _config_privacy(args)
+    else:
+        if args.set:
+            raise CLIError("--set overrides a preset's key: give --config too.")
+        if args.noise_placement == "secagg":
+            raise CLIError("--noise-placement secagg is accounted from a run's message size and min-replies: "
+                           "give --config FILE with noise-placement = \"secagg\".")
+        if args.target_epsilon is None and args.noise_multiplier is None:
+            raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
+        _validate_privacy(args)
+        result = privacy(args)
+    print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
+
+
+COMMANDS = {"run": run, "deploy": deploy, "cluster": cluster, "credentials": _credentials, "pretrain": _pretrain,
+            "reconstruct": _reconstruct, "audit": _audit, "describe": _describe, "privacy": _privacy}
+
+
 def main(argv: list[str] | None = None) -> int:
     _stop_on_sigterm()
     _RESUME_HINT.clear()
     try:
         args = build_parser().parse_args(argv if argv is not None else sys.argv[1:] or ["run"])
-        if args.command == "run":
-            run(args)
-        elif args.command == "deploy":
-            deploy(args)
-        elif args.command == "cluster":
-            cluster(args)
-        elif args.command == "credentials":
-            from fedlora.credentials import make_credentials
-            creds = make_credentials(args.dir, hosts=tuple(args.host) or ("127.0.0.1", "localhost"), nodes=args.nodes)
-            print(f"Wrote {creds.root}: superlink/ for the SuperLink, supernode-<i>/ for device i, ca/ to keep "
-                  "offline. The sketch secret is in every supernode-<i>/ and never goes to the server.")
-        elif args.command == "pretrain":
-            from pathlib import Path
-
-            from fedlora import pretrain
-            from fedlora.data import fashion_mnist_unavailable_reason
-            if args.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
-                raise CLIError(reason)
-            if args.out and Path(args.out).is_dir():
-                raise CLIError(f"--out '{args.out}' is a directory: name the weights file to write.")
-            if args.out:
-                _output_dir(Path(args.out).parent, "--out's folder")
-            pretrain.pretrain(args.dataset, Path(args.out) if args.out else None, steps=args.steps)
-        elif args.command == "reconstruct":
-            from fedlora.experiment import reconstruct
-            accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)
-            print(f"test accuracy {accuracy:.3f}, loss {loss:.3f}")
-        elif args.command == "audit":
-            result = audit(args)
-            if args.json:
-                print(json.dumps(result, indent=2))
-        elif args.command == "describe":
-            if args.config:
-                _from_config(args, "describe")
-            report = describe(args)
-            print(json.dumps(report, indent=2)) if args.json else _print_describe(report)
-        elif args.paper_table:
-            from dataclasses import asdict
-
-            from fedlora.privacy.paper import paper_table
-            rows = paper_table()
-            print(json.dumps([asdict(r) for r in rows], indent=2)) if args.json else _print_paper_table(rows)
-        else:
-            if args.config:
-                result = _config_privacy(args)
-            else:
-                if args.set:
-                    raise CLIError("--set overrides a preset's key: give --config too.")
-                if args.noise_placement == "secagg":
-                    raise CLIError("--noise-placement secagg is accounted from a run's message size and min-replies: "
-                                   "give --config FILE with noise-placement = \"secagg\".")
-                if args.target_epsilon is None and args.noise_multiplier is None:
-                    raise CLIError("Give --target-epsilon or --noise-multiplier (or --paper-table).")
-                _validate_privacy(args)
-                result = privacy(args)
-            print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
+        COMMANDS[args.command](args)
         sys.stdout.flush()  # here, where a reader that left is caught
         return 0
     except ValueError as error:  # every bad input the package detects: a ValueError, one sentence per problem

@@ -382,7 +382,7 @@ def test_a_command_stopped_from_outside_says_how_to_continue_its_run(monkeypatch
             os.kill(os.getpid(), signal.SIGTERM)
         raise stop()
 
-    monkeypatch.setattr(cli, "run", interrupted)
+    monkeypatch.setitem(cli.COMMANDS, "run", interrupted)
     assert main(["run"]) == code
     err = capsys.readouterr().err
     assert err == f"fedlora: stopped by {why}: continue the run with `fedlora run --resume {tmp_path / 'run'}`\n"
