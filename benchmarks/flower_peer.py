@@ -35,10 +35,9 @@ from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.config import OUT_DIR_KEY, RunConfig, load_config, load_split, run_config_of
-from fedlora.data import to_torch
+from fedlora.config import OUT_DIR_KEY, RunConfig, load_config, run_config_of
+from fedlora.experiment import test_images
 from fedlora.federation import DENSE, GlobalState, Protocol
-from fedlora.models import model_spec
 from fedlora.training import evaluate, select_device
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +91,7 @@ def peer_main(grid: Grid, context: Context) -> None:
     protocol = trainer(config)
     model = protocol.build_model(device=select_device())
     base = protocol.initial_state(model)
-    test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
+    test = test_images(config)
     startup = {"process": began - psutil.Process().create_time(), "model and test data": time.time() - began}
     metrics, last = out_dir / "metrics.jsonl", [time.time()]
 

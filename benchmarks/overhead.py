@@ -25,8 +25,8 @@ import torch
 
 from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.cli import add_overrides
-from fedlora.config import RunConfig, load_config, load_split
-from fedlora.data import load_partition, make_partitioner, to_torch
+from fedlora.config import RunConfig, load_config
+from fedlora.data import load_partition, load_split, make_partitioner, to_torch
 from fedlora.federation import Protocol, derive_seed
 from fedlora.launch import run_simulation
 from fedlora.models import model_spec

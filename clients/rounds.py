@@ -19,8 +19,8 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MetricRecord, 
 from flwr.client.mod import secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedlora.config import RunConfig, load_split, run_config_of
-from fedlora.data import DeviceImages, load_image_dir, load_partition, make_partitioner, to_torch
+from fedlora.config import RunConfig, run_config_of
+from fedlora.data import DeviceImages, load_image_dir, load_partition, load_split, make_partitioner, to_torch
 from fedlora.federation import (ASSIGNED, PACKED, GlobalState, Protocol, TrainedClients, num_bytes, overlapped,
                                 packed_key)
 from fedlora.lora import get_adapters

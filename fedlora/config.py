@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from functools import lru_cache
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -29,10 +28,6 @@ from fedlora.data import (
     PARTITIONER_KINDS,
     dataset_classes,
     is_user_dataset,
-    load_cifar100,
-    load_fashion_mnist,
-    load_user_dataset,
-    make_synthetic_cifar,
 )
 from fedlora.models import MODELS, adapted_layer_shapes
 from fedlora.tracking import TRACKERS
@@ -539,21 +534,3 @@ def run_config_of(values: dict[str, Any]) -> RunConfig:
     """The validated RunConfig of a Flower run config (which may also carry the launch keys above)."""
     return RunConfig.from_mapping({k: v for k, v in values.items()
                                    if k not in (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY)})
-
-
-@lru_cache(maxsize=2)
-def load_split(config: RunConfig, split: str):
-    """One split ("train" or "test") in CIFAR-100's schema, without reading or generating the other where the source
-    allows (a client needs only the training data, the server only the test data)."""
-    if split not in ("train", "test"):
-        raise ValueError(f"Unknown split {split!r}; expected train or test.")
-    if is_user_dataset(config.dataset):
-        train, test = load_user_dataset(config.dataset, image_column=config.image_column,
-                                        label_column=config.label_column)
-        return train if split == "train" else test
-    if config.dataset == "cifar100":
-        return load_cifar100(split)
-    if config.dataset == "fashion-mnist":
-        return load_fashion_mnist(split)
-    return make_synthetic_cifar(config.train_examples if split == "train" else config.test_examples, split=split,
-                                num_classes=config.classes, seed=config.seed)

@@ -718,3 +718,21 @@ def to_torch(dataset: datasets.Dataset, image_size: int, *, train: bool = False,
     """``dataset`` decoded once onto ``device`` (default: the CPU), yielding {"pixel_values": float32 (3, S, S),
     "labels": int64} per index and batches of them per list of indices (``DeviceImages``)."""
     return DeviceImages(dataset, image_size, train=train, device=device)
+
+
+@functools.lru_cache(maxsize=2)
+def load_split(config, split: str) -> datasets.Dataset:
+    """One split ("train" or "test") of a run config's dataset in CIFAR-100's schema, without reading or generating
+    the other where the source allows (a client needs only the training data, the server only the test data)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"Unknown split {split!r}; expected train or test.")
+    if is_user_dataset(config.dataset):
+        train, test = load_user_dataset(config.dataset, image_column=config.image_column,
+                                        label_column=config.label_column)
+        return train if split == "train" else test
+    if config.dataset == "cifar100":
+        return load_cifar100(split)
+    if config.dataset == "fashion-mnist":
+        return load_fashion_mnist(split)
+    return make_synthetic_cifar(config.train_examples if split == "train" else config.test_examples, split=split,
+                                num_classes=config.classes, seed=config.seed)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
-from fedlora.config import RunConfig, load_split
-from fedlora.data import to_torch
+from fedlora.config import RunConfig
+from fedlora.data import DeviceImages, load_split, to_torch
 from fedlora.federation import LORA, PROBE, GlobalState, Protocol
 from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
@@ -23,6 +23,11 @@ from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibr
 from fedlora.privacy.events import Phase, observers, other_observers
 from fedlora.tracking import clear_progress, tracker_for, write_progress
 from fedlora.training import evaluate, select_device
+
+def test_images(config: RunConfig) -> DeviceImages:
+    """The run's test split, decoded onto this process's device at the model's size (the server evaluates on it)."""
+    return to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
+
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
     if config.sampling == "fixed":
@@ -132,7 +137,7 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model(device=select_device())
         self.base = get_adapters(self.model)
-        self.test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
+        self.test = test_images(config)
         self.started = time.time()
 
     @property
@@ -234,7 +239,7 @@ def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) ->
     protocol.load_global(model, saved.state, get_adapters(model))
     save_adapters(model, Path(run_dir) / "adapter")
     echo(f"Wrote {Path(run_dir) / 'adapter'} (after round {saved.rounds_done}).")
-    test = to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
+    test = test_images(config)
     return evaluate(model, test, precision=config.precision)
 
 

@@ -563,7 +563,8 @@ def image_folder(root: Path, counts: dict[str, int], *, gray: str | None = None)
 def test_a_folder_with_one_subfolder_per_class_in_the_common_schema(tmp_path, fresh_user_datasets):
     """Classes follow the folders (sorted names), grayscale becomes RGB, and without a test split a stratified
     tenth of train is held out, the same for every run seed."""
-    from fedlora.config import load_config, load_split
+    from fedlora.config import load_config
+    from fedlora.data import load_split
     from fedlora.data import HELD_OUT_FRACTION, dataset_classes, load_user_dataset
 
     root = image_folder(tmp_path / "pets", {"cat": 10, "dog": 10, "fox": 10}, gray="fox")

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
-from fedlora.config import SIMULATION_KEY, RunConfig, load_split, run_config_of
-from fedlora.data import to_torch
+from fedlora.config import SIMULATION_KEY, RunConfig, run_config_of
+from fedlora.data import load_split, to_torch
 from fedlora.experiment import noise_for, reconstruct, sampling_of
 from fedlora.federation import DENSE, Protocol, overlapped
 from fedlora.models import build_backbone
@@ -541,7 +541,8 @@ def test_the_real_data_preset_learns_in_a_few_rounds(monkeypatch, tmp_path):
     import os
 
     import fedlora.experiment
-    from fedlora.config import load_config, load_split
+    from fedlora.config import load_config
+    from fedlora.data import load_split
     from fedlora.data import fashion_mnist_unavailable_reason
 
     if (reason := fashion_mnist_unavailable_reason()) is not None:
