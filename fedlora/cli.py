@@ -104,13 +104,13 @@ def _claim(out_dir, command: str, *, default_name: bool):
 
 
 def _release() -> None:
-    """Unlocks the run directories this command claimed, and removes those it made and left empty (a command refused
-    after its claim, e.g. for credentials it lacks, leaves nothing behind)."""
+    """Unlocks the run directories this command claimed; where it wrote nothing else, removes the lock file and the
+    directories it made (a command refused after its claim, e.g. for credentials it lacks, leaves nothing behind)."""
     while _HELD:
         lock, made = _HELD.pop()
         lock.close()
-        if made and os.listdir(made[0]) == [".lock"]:
-            os.unlink(os.path.join(made[0], ".lock"))
+        if os.listdir(os.path.dirname(lock.name)) == [".lock"]:
+            os.unlink(lock.name)
             for directory in made:
                 with contextlib.suppress(OSError):  # a parent another command writes into stays
                     os.rmdir(directory)

@@ -434,6 +434,10 @@ def test_two_runs_started_in_the_same_second_get_two_directories(tmp_path):
         assert (first.name, second.name) == ("sgmm-ffa-lora-20261128-140000", "sgmm-ffa-lora-20261128-140000-2")
     finally:
         _release()
+    assert not (tmp_path / "runs").exists()  # a command that wrote nothing there leaves nothing behind
+    _claim(tmp_path, "run", default_name=False)
+    _release()
+    assert tmp_path.is_dir() and not any(tmp_path.iterdir())  # nor a lock file in a directory it did not make
 
 
 def test_a_state_file_from_before_checkpoints_counts_as_ended(tmp_path):
