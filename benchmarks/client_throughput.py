@@ -3,7 +3,7 @@ time in one forward and backward per local step (fedlora.training.local_train_cl
 own path (Protocol.train_clients, then release_clients, on a GPU on a thread of the host while the next group
 trains, as a message's groups are: load the global state, K local steps, clip, sketch, noise), with the data
 decoded once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto:
-bf16 on a GPU) or --precision's.
+bf16-backbone on a GPU, fp32 on a CPU) or --precision's; a row names the precision that ran.
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
@@ -16,8 +16,8 @@ warm-up group, then at least --clients clients in groups of M; images a second =
 group that does not fit the device's memory is a row saying so. Results: benchmarks/results/client_throughput.{json,md},
 one row per (device, model, threads, path, precision, client-batch), rows of other devices and models kept.
 --profile M instead profiles one group of M clients under torch.profiler: time by operator and how busy the device
-was, and the model alone (at bf16-backbone too, where the precision is autocast's bf16), in
-benchmarks/results/client_profile_<device>_m<M>[_<precision>].md.
+was, and the model alone (on a GPU at both bf16 precisions: autocast alone and bf16-backbone), in
+benchmarks/results/client_profile_<device>_m<M>_<precision that ran>.md.
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import RESULTS, command_line, machine, revision
+from benchmarks.common import RESULTS, command_line, machine, provenance, revision
 from fedlora.training import PRECISIONS
 
 STORE = RESULTS / "client_throughput.json"
 
 
 PATHS = {"device": "data on the device, at the row's precision", "host": "per-image CPU transforms, fp32 (before)"}
+PRECISION_MEANS = {"bf16": "bf16 autocast alone, the residual stream float32",
+                   "bf16-backbone": "the frozen backbone stored in bf16, its residual stream bf16"}
 
 
 def host_images(dataset, image_size: int):
@@ -92,24 +94,20 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str, 
     return config, device, size, net, groups
 
 
-def model_alone(net, config, device, size: int, clients: int, steps: int = 3, precision: str | None = None) -> float:
+def model_alone(net, config, device, size: int, clients: int, steps: int = 3) -> float:
     """Seconds of one local step of the model alone for a group of ``clients``: the forward and backward of their
-    clients x batch random images through the same stacked trainable linears at the same precision, with no data,
-    optimizer step, clipping or sketching; what the product's path would reach if it added nothing.
-    ``precision``: another than the config's, on a copy of the model stored as it stores it (``store_backbone``)."""
-    import copy
-
+    clients x batch random images through the same stacked trainable linears at the config's precision (``net``
+    stored as it stores it), with no data, optimizer step, clipping or sketching; what the product's path would
+    reach if it added nothing."""
     import torch
     import torch.nn.functional as F
 
     from fedlora.models import logits
-    from fedlora.training import autocast, compute_dtype, stacked_linears, store_backbone
+    from fedlora.training import autocast, compute_dtype, stacked_linears
 
-    if precision and precision != config.precision:
-        net = store_backbone(copy.deepcopy(net), precision)
     images = torch.randn(clients * config.batch_size, 3, size, size, device=device)
     labels = torch.randint(config.classes, (len(images),), device=device)
-    dtype = compute_dtype(precision or config.precision, device)
+    dtype = compute_dtype(config.precision, device)
     net.train()
     with stacked_linears(net, clients):
         def step() -> None:
@@ -133,11 +131,13 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     """One M in this process: seconds for ``clients`` clients (rounded up to whole groups) after a warm-up group."""
     import torch
 
+    from fedlora.training import resolved_precision
+
     config, device, size, _, run_groups = _setup(preset, model, batch, threads, path, precision)
     groups = -(-clients // batch)
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
-    row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch,
-           "threads": threads, "path": path, "precision": config.precision, "local-steps": config.local_steps,
+    row = {"device": name, "model": config.model, "image-size": size, "client-batch": batch, "threads": threads,
+           "path": path, "precision": resolved_precision(config.precision, device), "local-steps": config.local_steps,
            "batch-size": config.batch_size, "rank": config.rank, "machine": machine()}
     try:
         run_groups([0])  # warm-up: allocations, kernels
@@ -165,14 +165,18 @@ def profile(preset: str, model: str | None, batch: int, threads: int, precision:
     """torch.profiler over one group of ``batch`` clients after a warm-up group: where the time goes, by operator
     (self time on the device where there is one, on the CPU otherwise), and how busy the device was; then the
     group without the profiler against the model alone (``model_alone``). Returns the
-    Markdown it writes to benchmarks/results/client_profile_<device>_m<M>.md."""
+    Markdown it writes to benchmarks/results/client_profile_<device>_m<M>_<precision that ran>.md."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
-    from fedlora.training import compute_dtype
+    import dataclasses
+
+    from fedlora.federation import Protocol
+    from fedlora.training import resolved_precision
 
     config, device, size, net, run_groups = _setup(preset, model, batch, threads, "device", precision)
+    ran = resolved_precision(config.precision, device)
     run_groups([0])
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -190,10 +194,12 @@ def profile(preset: str, model: str | None, batch: int, threads: int, precision:
         torch.cuda.synchronize()
     plain = time.perf_counter() - started
     alone = model_alone(net, config, device, size, batch) * config.local_steps
-    # autocast alone against a backbone stored in bf16, where the path runs autocast alone
-    other = "bf16-backbone" if compute_dtype(config.precision, device) == torch.bfloat16 and \
-        config.precision != "bf16-backbone" else None
-    stored = model_alone(net, config, device, size, batch, precision=other) * config.local_steps if other else None
+    # the other way of computing in bf16: autocast alone, or the backbone stored in bf16 as well
+    other = {"bf16": "bf16-backbone", "bf16-backbone": "bf16"}.get(ran)
+    if other:
+        other_config = dataclasses.replace(config, precision=other)
+        other_net = Protocol(other_config, 0.0).build_model(config.rank, device)
+        other_alone = model_alone(other_net, other_config, device, size, batch) * config.local_steps
 
     def self_time(e) -> float:  # microseconds
         if cuda:
@@ -212,7 +218,7 @@ def profile(preset: str, model: str | None, batch: int, threads: int, precision:
     lines = [f"# Where a group of M = {batch} clients spends its time: {config.model} ({size} px), "
              f"{name}", "",
              f"One group (K = {config.local_steps}, batch {config.batch_size}, rank {config.rank}, precision "
-             f"{config.precision}) through the product's path, after a warm-up group, under torch.profiler: "
+             f"{ran}) through the product's path, after a warm-up group, under torch.profiler: "
              f"{wall:.3f} s of wall clock ({images / wall:.0f} images/s with the profiler's overhead); the {where} "
              f"busy {busy:.3f} s of it ({100 * busy / wall:.0f}%)" + (", the rest waiting for the host (launches, "
              "Python, copies)." if cuda else "."), "",
@@ -220,19 +226,16 @@ def profile(preset: str, model: str | None, batch: int, threads: int, precision:
              f"(its K forwards and backwards of the group's {batch * config.batch_size} images a step, random "
              f"inputs, no data, optimizer, clipping or sketching) {alone:.3f} s ({images / alone:.0f} images/s): the "
              f"path reaches {100 * alone / plain:.0f}% of the model's speed." + (
-                 f" The model alone at precision bf16-backbone (the frozen backbone stored in bf16, its residual "
-                 f"stream bf16): {stored:.3f} s ({images / stored:.0f} images/s)."
-                 if stored else ""), "",
+                 f" The model alone at precision {other} ({PRECISION_MEANS[other]}): {other_alone:.3f} s "
+                 f"({images / other_alone:.0f} images/s)." if other else ""), "",
              f"| operator | calls | self {where} ms | share of busy |", "|---|---:|---:|---:|"]
     for e in events[:top]:
         lines.append(f"| `{e.key}` | {e.count} | {self_time(e) / 1e3:.1f} | {100 * self_time(e) / 1e6 / busy:.1f}% |")
-    lines += ["", f"Command: `{command_line('benchmarks.client_throughput')}`  ", f"Commit: {revision()}  ",
-              f"Machine: {machine()}", ""]
+    lines += ["", *provenance("benchmarks.client_throughput"), ""]
     text = "\n".join(lines)
     RESULTS.mkdir(exist_ok=True)
     device_name = "cpu" if not cuda else name.replace(" ", "_").lower()
-    suffix = "" if config.precision == "auto" else f"_{config.precision}"
-    (RESULTS / f"client_profile_{device_name}_m{batch}{suffix}.md").write_text(text)
+    (RESULTS / f"client_profile_{device_name}_m{batch}_{ran}.md").write_text(text)
     return text
 
 
@@ -246,7 +249,7 @@ def main() -> None:
     parser.add_argument("--baseline", action="store_true", help="also the path before this work (M = 1, fp32, "
                                                                    "per-image CPU transforms)")
     parser.add_argument("--profile", type=int, metavar="M", help="instead: profile one group of M clients (where "
-                        "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>[_<precision>].md")
+                        "the time goes, by operator) into benchmarks/results/client_profile_<device>_m<M>_<precision>.md")
     parser.add_argument("--precision", choices=PRECISIONS, help="another precision than the preset's (auto)")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a child process's single M
     parser.add_argument("--path", default="device", choices=sorted(PATHS), help=argparse.SUPPRESS)

@@ -20,15 +20,24 @@ def command_line(module: str) -> str:
     return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:])])
 
 
+def provenance(module: str) -> list[str]:
+    """The lines under a result that say what produced it: the command, the commit and the machine (Markdown line
+    breaks)."""
+    return [f"Command: `{command_line(module)}`  ", f"Commit: {revision()}  ", f"Machine: {machine()}  "]
+
+
 def revision() -> str:
-    """The git commit the numbers were measured at ("unknown" outside a checkout)."""
+    """The git commit the numbers were measured at ("unknown" outside a checkout). Changes to the results alone do
+    not mark it changed: a script that runs several benchmarks writes results between them."""
     import subprocess
 
+    root = Path(__file__).resolve().parent.parent
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+                             cwd=root).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)benchmarks/results"], capture_output=True, text=True,
+                               cwd=root).stdout.strip()
         return out + (" (with uncommitted changes)" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

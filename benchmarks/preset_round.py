@@ -22,6 +22,7 @@ from benchmarks.common import machine, run_inprocess
 from fedlora.cli import add_overrides
 from fedlora.config import load_config
 from fedlora.federation import Protocol
+from fedlora.training import clients_at_once, resolved_precision, select_device
 
 PRESET = Path(__file__).resolve().parent.parent / "configs" / "cifar100_private.toml"
 OFFLINE_TWIN = ['dataset="synthetic"', 'model="vit-b16-random"', "train-examples=50000", "test-examples=2000"]
@@ -40,7 +41,9 @@ def main() -> None:
     except ValueError as error:
         print(f"preset_round: error: {error}", file=sys.stderr)
         sys.exit(2)
-    print(machine(), f"client-batch {config.client_batch} (0: 16 on a GPU), precision {config.precision}", flush=True)
+    device = select_device()
+    print(machine(), f"client-batch {clients_at_once(config.client_batch, device)}, precision "
+          f"{resolved_precision(config.precision, device)}", flush=True)
     started, trained = time.time(), [0]
     train_clients = Protocol.train_clients
 

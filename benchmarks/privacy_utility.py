@@ -94,7 +94,7 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
     preset_config = load_config(preset)
     for part, strategy, placement, eps, n, rounds in cases:
         for seed in seeds:
-            # fp32 wherever a run computes ("auto" is bf16 on a GPU): a run on a lent GPU is the CPU's computation
+            # fp32 wherever a run computes (auto is bf16-backbone on a GPU): a lent GPU runs the CPU's computation
             values = {"strategy": strategy, "seed": seed, "precision": "fp32"}
             if placement != "-":
                 values["noise-placement"] = placement
@@ -245,11 +245,11 @@ def _check_run_dir(path: Path, config: RunConfig) -> None:
 
 def _as_run(values: dict) -> dict:
     """A config's values as they run on this machine: "client-batch = 0" is 1 on a CPU, "precision = auto" fp32."""
-    from fedlora.training import clients_at_once, compute_dtype, select_device
+    from fedlora.training import clients_at_once, resolved_precision, select_device
 
     device = select_device()
     return {**values, "client-batch": clients_at_once(values["client-batch"], device),
-            "precision": str(compute_dtype(values["precision"], device))}
+            "precision": resolved_precision(values["precision"], device)}
 
 
 def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, dict]:

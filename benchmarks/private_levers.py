@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 
-from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess
+from benchmarks.common import RESULTS, provenance, run_inprocess
 from fedlora.config import load_config
 from fedlora.experiment import noise_for
 
@@ -141,8 +141,7 @@ def write_table(runs: list[dict], done: dict, args) -> None:
     header = list(rows[0])
     config = runs[0]["config"]
     lines = ["# Private levers: placement, update form, adaptive clipping", "",
-             f"Command: `{command_line('benchmarks.private_levers')}`  ", f"Commit: {revision()}  ",
-             f"Machine: {machine()}  ",
+             *provenance("benchmarks.private_levers"),
              f"Setting: the first quickstart, configs/small_cohort.toml ({config.dataset} data, {config.classes} classes, {config.model} at random "
              f"init, K = {config.local_steps}, batch {config.batch_size}, lr {config.lr:g}, r = {config.rank}, "
              f"clip norm {config.clip_norm:g} (the start, with adaptive clipping), target epsilon "

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine, revision, median_seconds, save_figure
+from benchmarks.common import RESULTS, median_seconds, provenance, save_figure
 from fedlora.aggregation import redistribute, svd_of_mean_product
 from fedlora.sketch import MatrixSketch, SketchKey, VectorSketch
 
@@ -108,9 +108,7 @@ def main() -> None:
     lines = [
         "# Scaling: sketching and FlexLoRA redistribution vs layer size; memory vs number of clients",
         "",
-        f"Command: `{command_line('benchmarks.scaling')}`  ",
-        f"Commit: {revision()}  ",
-        f"Machine: {machine()}  ",
+        *provenance("benchmarks.scaling"),
         f"Sketching: one B (m x {RANK}) sketched and de-sketched, R regenerated from its seed (as in the product), "
         f"SGMM b = {SKETCH_DIM}, SGMV h = {SKETCH_DIM * RANK}; float32; median of {args.repeats}. Redistribution: "
         f"top-{RANK} factors of W = mean B_c A_c (m x m) from N r stacked columns, float64; relative error of "

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess
+from benchmarks.common import RESULTS, provenance, run_inprocess
 from fedlora.checkpoint import Checkpoint
 from fedlora.config import load_config
 from fedlora.experiment import RunRecorder
@@ -180,8 +180,7 @@ def write_spread(result: dict) -> None:
     finals = {arm: [r[-1] for r in runs] for arm, runs in result["runs"].items()}
     late = {arm: [statistics.mean(r[4:]) for r in runs] for arm, runs in result["runs"].items()}
     lines = ["# How much a run's accuracy moves with its noise draw alone", "",
-             f"Command: `{command_line('benchmarks.secagg_noise')}`  ", f"Commit: {revision()}  ",
-             f"Machine: {machine()}  ",
+             *provenance("benchmarks.secagg_noise"),
              f"Setting: the quickstart's gm-ffa-lora with noise at the server, seed {result['seed']} (its sampled "
              f"clients, batches and partitions fixed), epsilon {result['epsilon']:g}; {result['draws']} whole runs "
              "per arm; draw k of both arms is the same standardized noise, scaled. The second arm's variance is "
@@ -208,8 +207,7 @@ def write_replay(result: dict) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "secagg_replay.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Secure aggregation's pipeline against the server placement's, given the same noise", "",
-             f"Command: `{command_line('benchmarks.secagg_noise')}`  ", f"Commit: {revision()}  ",
-             f"Machine: {machine()}  ",
+             *provenance("benchmarks.secagg_noise"),
              f"Setting: the quickstart's gm-ffa-lora, seed {result['seed']}, epsilon {result['epsilon']:g} (z = "
              f"{result['noise_multiplier']}), in process. A secagg run records each round's noise (decoded sum minus "
              "the plain sum of the releases); the server placement then runs with the same seed, adding exactly that "
@@ -255,8 +253,7 @@ def main() -> None:
     (RESULTS / "secagg_noise.json").write_text(json.dumps(results, indent=1) + "\n")
     gaussian = results["gaussian (noise at the server)"]
     lines = ["# Secure aggregation's noise against the server's, one round", "",
-             f"Command: `{command_line('benchmarks.secagg_noise')}`  ", f"Commit: {revision()}  ",
-             f"Machine: {machine()}  ",
+             *provenance("benchmarks.secagg_noise"),
              f"Setting: the quickstart's gm-ffa-lora, seed {args.seed}, round 1 (N = 50 clients, their clipped updates "
              f"fixed), z = {Z}; accuracy of the global model after one noisy round, {args.draws} noise draws per arm; "
              f"without noise: {results['noiseless'][0]:.3f}.", "",

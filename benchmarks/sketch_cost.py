@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, command_line, machine, revision
+from benchmarks.common import RESULTS, provenance
 from fedlora.lora import LoRAMode, build_lora_model, get_adapters, to_message
 from fedlora.sketch import MatrixSketch, Side, SketchKey, VectorSketch, gaussian_matrix
 
@@ -90,9 +90,7 @@ def main() -> None:
     lines = [
         "# Sketch cost: SGMM vs SGMV on ViT-B/16 shapes",
         "",
-        f"Command: `{command_line('benchmarks.sketch_cost')}`  ",
-        f"Commit: {revision()}  ",
-        f"Machine: {machine()}  ",
+        *provenance("benchmarks.sketch_cost"),
         f"Setting: one client's FFA message, B of {len(message)} layers ({args.targets}) of shape "
         f"{', '.join('x'.join(map(str, s)) for s in shapes)}; r = {r}, SGMM b = {b}, SGMV h = b r = {h}; "
         f"median of {args.repeats} interleaved runs, float32, CPU, {args.threads} torch thread(s).",

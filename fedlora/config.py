@@ -185,7 +185,7 @@ class RunConfig:
                                   "matrix products in bfloat16; the parameters, their gradients, the loss, clipping, "
                                   "sketches and noise in float32), bf16-backbone (bf16, and the frozen backbone "
                                   "stored in bfloat16, so that its residual stream is bfloat16 too), fp32, or auto: "
-                                  "bf16 on a GPU that supports it, fp32 elsewhere",
+                                  "bf16-backbone on a GPU that supports bf16 (the fastest there), fp32 elsewhere",
                           choices=PRECISIONS)
     client_batch: int = _opt(0, "clients a simulation node trains together, in one forward and backward per local step "
                                 "(several clients per message: simulation-nodes); each computes what it would "

@@ -240,7 +240,7 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
 
     monkeypatch.setattr(client_throughput, "RESULTS", tmp_path)
     text = client_throughput.profile("quickstart", None, batch=2, threads=1, top=5)
-    assert (tmp_path / "client_profile_cpu_m2.md").read_text() == text
+    assert (tmp_path / "client_profile_cpu_m2_fp32.md").read_text() == text
     rows = [line for line in text.splitlines() if line.startswith("| `")]
     shares = [float(line.rsplit("|", 2)[1].strip().rstrip("%")) for line in rows]
     assert len(rows) == 5 and shares == sorted(shares, reverse=True) and 20 < sum(shares) <= 100.5
@@ -252,10 +252,12 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     assert abs(100 * alone_s / path_s - share) <= 1  # the printed seconds are rounded
     # the same images both ways, up to the printed rounding (rates to 1, seconds to 0.001)
     assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
-    assert "bf16-backbone" not in text  # fp32 here: no bf16 to compare with
-    bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision="bf16", top=5)
-    assert (tmp_path / "client_profile_cpu_m2_bf16.md").read_text() == bf16 and "precision bf16)" in bf16
-    assert re.search(r"The model alone at precision bf16-backbone \(.*\): [\d.]+ s \(\d+ images/s\)\.", bf16)
+    findings = text.split("| operator")[0]  # not the command line, which holds pytest's arguments
+    assert "precision fp32)" in findings and "bf16" not in findings  # auto is fp32 on a CPU: no bf16 to compare with
+    for ran, other in (("bf16", "bf16-backbone"), ("bf16-backbone", "bf16")):  # each against the other
+        bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision=ran, top=5)
+        assert (tmp_path / f"client_profile_cpu_m2_{ran}.md").read_text() == bf16 and f"precision {ran})" in bf16
+        assert re.search(rf"The model alone at precision {other} \(.*\): [\d.]+ s \(\d+ images/s\)\.", bf16)
 
 
 def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypatch):
@@ -268,7 +270,7 @@ def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypa
                                         precision=precision)
         trained = 4 if batch == 2 else 3
         assert (row["device"], row["client-batch"], row["path"], row["clients"]) == ("cpu", batch, path, trained)
-        assert row["precision"] == (precision or ("fp32" if path == "host" else "auto"))
+        assert row["precision"] == (precision or "fp32")  # what ran: auto is fp32 on a CPU
         images = trained * row["local-steps"] * row["batch-size"]
         assert row["images-per-second"] == pytest.approx(images / row["seconds"])
         assert row["seconds-per-client"] == pytest.approx(row["seconds"] / trained) and row["peak-memory-gib"] > 0

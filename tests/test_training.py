@@ -15,6 +15,7 @@ from fedlora.training import (
     evaluate,
     local_train,
     local_train_clients,
+    resolved_precision,
     stacked_linears,
     store_backbone,
     to_host,
@@ -120,8 +121,14 @@ def test_only_linear_layers_train_together():
     assert type(model[2]) is nn.Linear  # put back
 
 
-def test_precision_auto_is_bf16_on_gpus_only_and_client_batch_auto_batches_on_gpus_only():
-    cpu = torch.device("cpu")
+def test_precision_auto_is_bf16_backbone_on_gpus_with_bf16_only_and_client_batch_auto_batches_on_gpus_only(
+        monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for bf16_supported, on_gpu in ((True, "bf16-backbone"), (False, "fp32")):
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16_supported)
+        assert resolved_precision("auto", cuda) == on_gpu and resolved_precision("auto", cpu) == "fp32"
+        assert [resolved_precision(p, cuda) for p in ("bf16", "bf16-backbone", "fp32")] == ["bf16", "bf16-backbone",
+                                                                                              "fp32"]
     assert compute_dtype("auto", cpu) == torch.float32 and compute_dtype("fp32", cpu) == torch.float32
     assert compute_dtype("bf16", cpu) == torch.bfloat16
     assert compute_dtype("bf16-backbone", cpu) == torch.bfloat16
@@ -129,6 +136,16 @@ def test_precision_auto_is_bf16_on_gpus_only_and_client_batch_auto_batches_on_gp
         compute_dtype("fp16", cpu)
     assert clients_at_once(0, cpu) == 1 and clients_at_once(0, torch.device("cuda")) == 16
     assert clients_at_once(4, cpu) == 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_precision_auto_stores_the_backbone_in_bf16_on_a_gpu_with_bf16_and_nothing_in_bf16_elsewhere(device):
+    model = build_lora_model("vit-tiny", num_classes=10, rank=2, alpha=4.0, mode=LoRAMode.FFA).to(device)
+    model = store_backbone(model, "auto")
+    bf16 = device == "cuda" and torch.cuda.is_bf16_supported()
+    frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and "lora_" not in n}
+    trained = {p.dtype for p in model.parameters() if p.requires_grad}
+    assert frozen == {torch.bfloat16 if bf16 else torch.float32} and trained == {torch.float32}
 
 
 @pytest.mark.parametrize("model_name", ["vit-tiny", "timm-vit-tiny"])
