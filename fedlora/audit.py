@@ -44,7 +44,7 @@ from fedlora.mechanisms import Mechanism, NoisePlacement, ThreatModel
 from fedlora.privacy.accounting import epsilon as accountant_epsilon
 from fedlora.privacy.events import Observer, Phase, SamplingScheme, trust_label
 from fedlora.secure_sum import SkellamSecureSum
-from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, is_product, side_of
+from fedlora.sketch import NoSketch, Side, SketchKey, VectorSketch, is_product, layer_of, side_of
 
 CONFIDENCE = 0.95
 ENTRY = "audit.lora_B"  # the audited message: one LoRA B factor, sketched from the left like a real one
@@ -464,10 +464,10 @@ def _flat(message: dict[str, torch.Tensor], entries: list[str], *, flex: bool) -
         if flex and side_of(name) is Side.RIGHT:
             continue  # inside its layer's product
         if is_product(name) and name not in message:  # a state's product: its factors'
-            name = f"{name.rsplit('.', 1)[0]}.lora_B"
+            name = f"{layer_of(name)}.lora_B"
         t = message[name].double()
         if flex and side_of(name) is Side.LEFT and not is_product(name):
-            a = message[f"{name.rsplit('.', 1)[0]}.lora_A"].double()
+            a = message[f"{layer_of(name)}.lora_A"].double()
             if t.shape[1] != a.shape[0]:
                 raise ValueError(f"'{name}' has rank {t.shape[1]} but its A has rank {a.shape[0]}.")
             t = t @ a

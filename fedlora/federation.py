@@ -42,7 +42,7 @@ from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mech
 from fedlora.privacy.events import Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
-from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, side_of
+from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, layer_of, side_of
 from fedlora.training import local_train, local_train_clients, store_backbone, to_host
 
 T, R = TypeVar("T"), TypeVar("R")
@@ -205,7 +205,7 @@ class Protocol:
         out = {}
         for name in end:
             if side_of(name) is Side.LEFT:
-                layer = name.rsplit(".", 1)[0]
+                layer = layer_of(name)
                 a0, a1 = start[f"{layer}.lora_A"].double(), end[f"{layer}.lora_A"].double()
                 out[f"{layer}.{PRODUCT}"] = (end[name].double() @ a1 - start[name].double() @ a0).to(end[name].dtype)
             elif side_of(name) is Side.DENSE:
@@ -274,7 +274,7 @@ class Protocol:
         if state.produced_by != DENSE:
             shapes = {}
             for name in message:
-                layer = name.rsplit(".", 1)[0]
+                layer = layer_of(name)
                 if side_of(name) is Side.LEFT:
                     shapes[name] = (base[layer].B.shape[0], self.config.rank)
                 elif side_of(name) is Side.RIGHT:
@@ -396,7 +396,7 @@ class Protocol:
         if not any(side_of(n) is Side.RIGHT for n in release):
             return dict(release)
         products = {layer: release[f"{layer}.lora_B"].double() @ release[f"{layer}.lora_A"].double()
-                    for layer in (n.rsplit(".", 1)[0] for n in release if side_of(n) is Side.LEFT)}
+                    for layer in (layer_of(n) for n in release if side_of(n) is Side.LEFT)}
         return {**products, **{n: t for n, t in release.items() if side_of(n) is Side.DENSE}}
 
     @staticmethod
@@ -404,7 +404,7 @@ class Protocol:
         """The entry shapes of ``secure_message`` of a release with entry shapes ``released``."""
         if not any(side_of(n) is Side.RIGHT for n in released):
             return dict(released)
-        return {**{n.rsplit(".", 1)[0]: (shape[0], released[n.replace("lora_B", "lora_A")][1])
+        return {**{layer_of(n): (shape[0], released[f"{layer_of(n)}.lora_A"][1])
                    for n, shape in released.items() if side_of(n) is Side.LEFT},
                 **{n: shape for n, shape in released.items() if side_of(n) is Side.DENSE}}
 
@@ -491,7 +491,7 @@ class Protocol:
         out = {}
         for name, w in message.items():
             if is_product(name):
-                layer = name.rsplit(".", 1)[0]
+                layer = layer_of(name)
                 b, a = redistribute(*torch.linalg.svd(w.double(), full_matrices=False), self.config.rank,
                                     self.config.svd_split)
                 out[f"{layer}.lora_A"], out[f"{layer}.lora_B"] = a.to(w.dtype), b.to(w.dtype)
@@ -506,7 +506,7 @@ class Protocol:
         norm <= kappa = max(tau^2 / 2, tau) with a head, tau^2 / 2 without, and the sum gets N(0, (z kappa)^2):
         the same Gaussian release, in units of kappa, as the client's own noise in units of tau. Under secure
         aggregation (``summed``) ``releases`` is that sum (``secure_message``), its noise in it."""
-        layers = [name.rsplit(".", 1)[0] for name in previous.message if side_of(name) is Side.LEFT]
+        layers = [layer_of(name) for name in previous.message if side_of(name) is Side.LEFT]
         dtype = next(t for n, t in previous.message.items() if side_of(n) is Side.LEFT).dtype
         out: Message = {}
         if mechanism.placement is NoisePlacement.CLIENT:

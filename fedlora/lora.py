@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from fedlora.mechanisms import Message
 from fedlora.algorithms import LoRAMode
 from fedlora.models import TARGETS, build_backbone, model_spec
-from fedlora.sketch import seeded_normal
+from fedlora.sketch import layer_of, seeded_normal
 
 ADAPTER = "default"
 _PREFIX = "base_model.model."
@@ -128,7 +128,7 @@ def to_message(adapters: Mapping[str, LoRAFactors], *, mode: LoRAMode | str) -> 
 
 def from_message(message: Mapping[str, Tensor], base: Mapping[str, LoRAFactors]) -> Adapters:
     """Adapters from a message; factors the message does not carry (FFA's A) come from ``base``."""
-    unknown = {name.rsplit(".", 1)[0] for name in message} - set(base)
+    unknown = {layer_of(name) for name in message} - set(base)
     if unknown:
         raise ValueError(f"Message names unknown LoRA layers {sorted(unknown)[:3]}.")
     return OrderedDict((layer, LoRAFactors(message.get(f"{layer}.lora_A", a), message.get(f"{layer}.lora_B", b)))

@@ -51,6 +51,11 @@ def is_product(name: str) -> bool:
     return name.endswith(PRODUCT)
 
 
+def layer_of(name: str) -> str:
+    """The adapted layer a LoRA entry ("<layer>.lora_A", "<layer>.lora_B", "<layer>.lora_BA") belongs to."""
+    return name.rsplit(".", 1)[0]
+
+
 def side_of(name: str) -> Side:
     """The sketch side of a message entry, from its name."""
     if name.endswith("lora_B") or is_product(name):
