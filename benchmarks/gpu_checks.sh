@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements behind docs/how-to/gpu.md in one command, on a machine with one GPU where fedlora imports
-# (about 8 minutes on an H100 or H200), most needed first: three rounds of configs/cifar100_private.toml's offline
+# (about 9 minutes on an H200: 528 s at 41d2e4d), in this order: three rounds of configs/cifar100_private.toml's offline
 # twin in process (benchmarks.preset_round: the rounds after the first are what 50 rounds cost) at the default
 # client-batch and at 64, the same three rounds through `fedlora run` on Ray with the preset's own resources, client
 # training against client-batch beside the path before (benchmarks.client_throughput), and where a group of 16
 # clients spends its time with the model alone at both bf16 precisions (--profile). The rows at bf16 autocast alone
-# and timm's were measured on an H200 at fe55199 (benchmarks/results/client_throughput.md).
+# and timm's were measured on an H200 at fe55199 (benchmarks/results/client_throughput.md); the eight Ray rounds of
+# benchmarks/results/preset_round_gpu.md are `fedlora run` with num-rounds=8 eval-every=4, in a call of their own.
 #
 #     bash benchmarks/gpu_checks.sh [DIR]     # DIR: also copy the results and a log there
 #
