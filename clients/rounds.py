@@ -12,6 +12,7 @@ import dataclasses
 import sys
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -24,7 +25,7 @@ from fedlora.data import DeviceImages, load_image_dir, load_partition, load_spli
 from fedlora.federation import (ASSIGNED, PACKED, GlobalState, Protocol, TrainedClients, num_bytes, overlapped,
                                 packed_key)
 from fedlora.lora import get_adapters
-from fedlora.mechanisms import CLIP_MARGIN, NoisePlacement
+from fedlora.mechanisms import CLIP_MARGIN, Mechanism, NoisePlacement
 from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed
 from fedlora.training import clients_at_once, select_device
@@ -71,6 +72,9 @@ def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, No
     round_config = msg.content["config"]
     protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
     node = NodeSettings.from_node_config(context.node_config)
+    if node.privacy_ledger and (ASSIGNED in round_config or PACKED in round_config):
+        raise ValueError("A node that keeps a privacy ledger (privacy-ledger) trains only its own client: the server "
+                         "named other partitions, as only simulations do.")
     if ASSIGNED in round_config:  # a simulation's node trains the partition the server names
         if node.data_dir:
             raise ValueError("A node with its own data (data-dir) trains only itself: the server named another "
@@ -116,8 +120,7 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
     config, protocol, node = round_setup(msg, context)
     round_config, state = msg.content["config"], global_state(msg)
     if PACKED not in round_config:  # this node's own client
-        return reply(msg, *_client_round(msg, protocol, state, node.partition_id,
-                                         _local_data(config, node), startup_seconds))
+        return reply(msg, *_client_round(msg, protocol, state, node, _local_data(config, node), startup_seconds))
     if node.data_dir:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
@@ -153,8 +156,8 @@ def secure_train(msg: Message, context: Context, startup_seconds: float) -> Mess
     """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     config, protocol, node = round_setup(msg, context)
-    release, metrics, _ = _client_round(msg, protocol, global_state(msg), node.partition_id,
-                                        _local_data(config, node), startup_seconds)
+    release, metrics, _ = _client_round(msg, protocol, global_state(msg), node, _local_data(config, node),
+                                        startup_seconds)
     return encoded_reply(msg, protocol, node.partition_id, release, metrics)
 
 
@@ -181,11 +184,32 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
     }), reply_to=msg)
 
 
-def _client_round(msg: Message, protocol: Protocol, state: GlobalState, partition_id: int,
+def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: NodeSettings,
                   data, startup_seconds: float) -> tuple[dict, dict, float | None]:
-    """One client's round: its release, telemetry and clip bit."""
-    trained = _train_clients(msg, protocol, state, [partition_id], [data])
-    return _release_clients(msg, protocol, [partition_id], trained, startup_seconds, _ray_node())[0]
+    """One node's own client's round: its release, telemetry and clip bit."""
+    guard = _budget_guard(msg, protocol, node)
+    trained = _train_clients(msg, protocol, state, [node.partition_id], [data])
+    return _release_clients(msg, protocol, [node.partition_id], trained, startup_seconds, _ray_node(), guard)[0]
+
+
+def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Callable[[dict, Mechanism], None] | None:
+    """Where the node keeps a privacy ledger: records what each reply releases to the server before it leaves, and
+    refuses a reply past the node's budget (fedlora.privacy.node_budget); a reply that would carry no noise of the
+    node's own is refused here, before training."""
+    budget = node.budget()
+    if budget is None:
+        return None
+    round_config = msg.content["config"]
+    why = protocol.unprotected_to_server(protocol.mechanism_for(int(round_config["server-round"])))
+    if why and budget.epsilon is not None:
+        budget.refuse_unprotected(why)
+
+    def spend(message: dict, mechanism: Mechanism) -> None:
+        budget.spend(protocol.release_to_server(message, mechanism),
+                     why_unprotected=protocol.unprotected_to_server(mechanism), run=msg.metadata.run_id,
+                     round=int(round_config["server-round"]), release=int(round_config["release"]))
+
+    return spend
 
 
 def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
@@ -198,13 +222,13 @@ def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
 
 
 def _release_clients(msg: Message, protocol: Protocol, partition_ids: list[int],
-                     trained: TrainedClients, startup_seconds: float,
-                     where: dict[str, int]) -> list[tuple[dict, dict, float | None]]:
+                     trained: TrainedClients, startup_seconds: float, where: dict[str, int],
+                     guard: Callable[[dict, Mechanism], None] | None = None) -> list[tuple[dict, dict, float | None]]:
     """Each trained client's release, telemetry and clip bit."""
     round_config = msg.content["config"]
     release = int(round_config["release"])
     results = protocol.release_clients(trained, round_=int(round_config["server-round"]), release=release,
-                                       clip_norm=round_clip_norm(msg),
+                                       clip_norm=round_clip_norm(msg), guard=guard,
                                        noises=[protocol.client_noise(release, p) for p in partition_ids])
     out = []
     for partition_id, result in zip(partition_ids, results):

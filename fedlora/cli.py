@@ -123,6 +123,13 @@ def _trials(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = _float_arg(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def _float_arg(text: str) -> float:
     try:
         value = float(text)
@@ -584,9 +591,11 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
     from fedlora.experiment import load_run_config
     from fedlora.launch import DEPLOYMENT_FILE
 
-    given = [flag for flag in ("config", "set", "out", "credentials", "insecure") if getattr(args, flag, None)]
+    given = [flag for flag in ("config", "set", "out", "credentials", "insecure", "node_budget")
+             if getattr(args, flag, None)]
     if given:
-        raise CLIError(f"--resume continues a run with its own config, directory and security: drop --{given[0]}.")
+        raise CLIError("--resume continues a run with its own config, directory, security and node budget: drop "
+                       f"--{given[0].replace('_', '-')}.")
     out_dir = Path(args.resume)
     config, *used = load_run_config(out_dir)
     state, metrics = out_dir / STATE_FILE, out_dir / "metrics.jsonl"
@@ -664,7 +673,11 @@ def deploy(args: argparse.Namespace) -> None:
                            f"`--credentials {written}`, or choose another --out.")
         credentials = make_credentials(written, nodes=config.num_clients)
     print(f"  security: {_security(credentials)}")
-    _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start()), out_dir, config)
+    if args.node_budget is not None:
+        print(f"  node budgets: each SuperNode refuses replies past epsilon {args.node_budget:g} against the server "
+              f"by its own ledger ({Path(out_dir) / 'nodes'})")
+    _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start(),
+                         node_budget=args.node_budget), out_dir, config)
 
 
 def _security(credentials) -> str:
@@ -814,6 +827,15 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--insecure", action="store_true", help="no TLS and no SuperNode authentication")
     dp.add_argument("--resume", metavar="DIR", type=_path_arg, help="continue the deployment in DIR from its last checkpoint (after "
                                                     "its SuperLink or ServerApp died), with its config and security")
+    dp.add_argument("--node-budget", metavar="EPSILON", type=_positive_float,
+                    help="every SuperNode keeps its own privacy ledger (under DIR/nodes) and refuses replies that would "
+                         "pass this epsilon against the server, counting only the noise it adds itself")
+
+    nl = commands.add_parser("ledger", help="what a node's privacy ledger (node-config privacy-ledger) spent against "
+                                            "the server")
+    nl.add_argument("path", type=_path_arg)
+    nl.add_argument("--delta", type=_float_arg, default=1e-5, help="default 1e-5, a node's default")
+    nl.add_argument("--json", action="store_true", help="print one JSON object")
 
     cr = commands.add_parser("credentials", help="TLS certificates, SuperNode keys and the sketch secret, one "
                                                  "folder per machine")
@@ -971,8 +993,36 @@ def _privacy(args: argparse.Namespace) -> None:
     print(json.dumps(result, indent=2)) if args.json else _print_privacy(result)
 
 
+def ledger(args: argparse.Namespace) -> dict:
+    """A node's privacy ledger: its replies and the epsilon they spent against the server."""
+    from pathlib import Path
+
+    from fedlora.privacy.node_budget import NodeBudget
+
+    if not 0 < args.delta < 1:
+        raise CLIError(f"--delta must lie in (0, 1), got {args.delta:g}.")
+    path = Path(args.path).expanduser()
+    if not path.is_file():
+        raise CLIError(f"'{path}' is not a file: give the node's privacy-ledger.")
+    budget = NodeBudget(path, None, args.delta)
+    records = budget.records()
+    runs = sorted({str(r.get("run", "?")) for r in records})
+    result = {"path": str(path), "replies": len(records), "runs": runs, "epsilon": budget.spent(records),
+              "delta": args.delta, "first": records[0]["time"] if records else None,
+              "last": records[-1]["time"] if records else None,
+              "threat_model": "against the server, counting only the noise this node added (known-sample exact)"}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        span = f", {result['first']} to {result['last']}" if records else ""
+        print(f"{path}: {len(records)} replies in {len(runs)} runs{span}")
+        print(f"epsilon {result['epsilon']:.3f} at delta {args.delta:g}, {result['threat_model']}")
+    return result
+
+
 COMMANDS = {"run": run, "deploy": deploy, "cluster": cluster, "credentials": _credentials, "pretrain": _pretrain,
-            "reconstruct": _reconstruct, "audit": _audit, "describe": _describe, "privacy": _privacy}
+            "reconstruct": _reconstruct, "audit": _audit, "describe": _describe, "privacy": _privacy,
+            "ledger": ledger}
 
 
 def main(argv: list[str] | None = None) -> int:

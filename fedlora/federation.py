@@ -39,7 +39,7 @@ from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapt
                           set_adapters, set_head, to_message)
 from fedlora.clipping import QuantileClipping
 from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mechanism, message_norm
-from fedlora.privacy.events import Release
+from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, layer_of, side_of
@@ -339,16 +339,20 @@ class Protocol:
         return TrainedClients(messages, start, losses, (time.perf_counter() - started) / len(datasets))
 
     def release_clients(self, trained: TrainedClients, *, round_: int, noises: Sequence[torch.Generator | None],
-                        release: int | None = None, clip_norm: float | None = None) -> list[ClientRound]:
+                        release: int | None = None, clip_norm: float | None = None,
+                        guard: Callable[[Message, Mechanism], None] | None = None) -> list[ClientRound]:
         """Each trained client's round: its message (or update) clipped and privatized with its own noise, on the
         host; safe in another thread than the training's (its randomness is the ``noises`` and the round's seeded
-        sketches)."""
+        sketches). ``guard`` sees each message and its mechanism first, and may refuse it by raising (a node's own
+        budget)."""
         release = round_ if release is None else release
         rounds = []
         for message, loss, noise in zip(trained.messages, trained.losses, noises):
             privatizing = time.perf_counter()
             if self.sends_updates:
                 message = self.update_of(trained.start, message)
+            if guard is not None:
+                guard(message, self.mechanism_for(round_, clip_norm))
             out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
             rounds.append(ClientRound(out, loss, trained.train_seconds, time.perf_counter() - privatizing, bit))
         return rounds
@@ -414,6 +418,32 @@ class Protocol:
             return (self.secure_sum(mechanism, mechanism.released_shapes({n: tuple(t.shape)
                                                                           for n, t in message.items()})).release(),)
         return mechanism.release_of(message, clients_per_round=self.config.clients_per_round)
+
+    def unprotected_to_server(self, mechanism: Mechanism) -> str | None:
+        """Why a client's reply under ``mechanism`` carries no noise of its own that a server not following the
+        protocol could not remove or get around; None where it does."""
+        if not mechanism.private:
+            return f"{self.config.strategy} adds no noise"
+        if self.config.noise_source == "seeded":
+            return 'its noise is drawn from the run seed, which the server holds (noise-source = "seeded")'
+        if self.placement is NoisePlacement.SERVER:
+            return 'the noise is added by the server (noise-placement = "server")'
+        if not (isinstance(mechanism.sketch, NoSketch) or mechanism.clips_after_sketch):
+            return ("under the secret-sketch threat model the message is clipped before the sketch, which bounds "
+                    "nothing against a server that learns R")
+        return None
+
+    def release_to_server(self, message: Message, mechanism: Mechanism) -> tuple[Release, ...]:
+        """What one client's reply of ``message`` under ``mechanism`` releases to a server that knows the reply was its
+        own and may not follow the protocol (a node's own budget, fedlora.privacy.node_budget): only the noise the
+        client adds itself from the OS's randomness, at the multiplier it used; under secure aggregation its own
+        share (the server may hold every other reply of the sum)."""
+        if self.unprotected_to_server(mechanism):
+            return (NonPrivateRelease(),)
+        if self.placement is NoisePlacement.SECAGG:
+            return tuple(part.one_reply() for part in self.release_of(message, mechanism))
+        bit = (self.clipping.release(),) if self.clipping is not None else ()  # noised by the client too
+        return (GaussianRelease(mechanism.noise_multiplier), *bit)
 
     def secure_noise(self, release: int, partition_id: int):
         """The generator of a client's integer noise share and rounding: seeded in simulations that ask for it,

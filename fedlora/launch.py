@@ -338,9 +338,12 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
 
 
 def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, credentials: Credentials | None,
-                   secret: bool) -> list[str]:
-    """The `flower-supernode` command of node ``index``: TLS and authentication with its own credentials."""
+                   secret: bool, ledger: Path | None = None, budget: float | None = None) -> list[str]:
+    """The `flower-supernode` command of node ``index``: TLS and authentication with its own credentials; with
+    ``ledger``, the node records its replies there and refuses those past ``budget`` (fedlora.privacy.node_budget)."""
     node_config = f"partition-id={index} num-partitions={num_nodes}"
+    if ledger is not None:
+        node_config += f' privacy-ledger="{ledger}"' + (f" privacy-budget={budget!r}" if budget is not None else "")
     args = ["flower-supernode", "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port)]
     if credentials is None:
         return [*args, "--insecure", "--node-config", node_config]
@@ -366,21 +369,40 @@ def deployment_credentials(out_dir: Path, config: RunConfig) -> Credentials | No
     return credentials
 
 
+def node_ledger(out_dir: Path, index: int) -> Path:
+    """Where node ``index`` of a local deployment keeps its privacy ledger."""
+    return Path(out_dir) / "nodes" / f"node-{index}" / "privacy-ledger.jsonl"
+
+
+def describe_node_ledgers(out_dir: Path, num_nodes: int, budget: float) -> str:
+    """What the nodes of a local deployment spent by their own ledgers, in one line."""
+    from fedlora.privacy.node_budget import NodeBudget
+
+    spent = [NodeBudget(node_ledger(out_dir, i), budget).spent() for i in range(num_nodes)]
+    return (f"the nodes' own ledgers: epsilon {min(spent):.3f} to {max(spent):.3f} against the server, of each "
+            f"node's budget {budget:g} (only the noise each node added; {Path(out_dir) / 'nodes'})")
+
+
 def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials | None, echo=print,
-                   start_timeout: float = 60.0, resume: bool = False, began: float | None = None) -> list[dict]:
+                   start_timeout: float = 60.0, resume: bool = False, began: float | None = None,
+                   node_budget: float | None = None) -> list[dict]:
     """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run (with ``resume``: the rest of the run in
     ``out_dir``, from its checkpoint), then every process stopped.
 
     With ``credentials`` the SuperLink serves TLS with them and admits only the registered SuperNodes;
-    without, everything runs in Flower's insecure mode. ``out_dir`` records which, for a resume.
-    ``began``: as for run_simulation (the SuperNodes' start counts before the first round).
+    without, everything runs in Flower's insecure mode. With ``node_budget`` every node keeps a privacy ledger
+    (``node_ledger``) and refuses replies past that epsilon against the server. ``out_dir`` records both, for a
+    resume. ``began``: as for run_simulation (the SuperNodes' start counts before the first round).
     """
     began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()
     _make_run_dir(out_dir)
     if not resume:
         (out_dir / DEPLOYMENT_FILE).write_text(json.dumps(
-            {"credentials": str(credentials.root.resolve()) if credentials else None}) + "\n")
+            {"credentials": str(credentials.root.resolve()) if credentials else None, "node_budget": node_budget})
+            + "\n")
+    else:
+        node_budget = json.loads((out_dir / DEPLOYMENT_FILE).read_text()).get("node_budget")
     app_dir = write_app(config, out_dir, simulation=False, resume=resume)
     with _flower(out_dir) as flower:
         port = free_port()
@@ -401,10 +423,13 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
             node_port = free_port()
             node = flower.start(f"supernode-{i}", supernode_args(
                 i, superlink=f"127.0.0.1:{port}", port=node_port, num_nodes=config.num_clients,
-                credentials=credentials, secret=secret), env=threads)
+                credentials=credentials, secret=secret, budget=node_budget,
+                ledger=node_ledger(out_dir, i) if node_budget is not None else None), env=threads)
             flower.wait_for_port(node_port, node, f"supernode-{i}", start_timeout)
         saved = flower.follow(app_dir, config, echo, resume=resume)
     rows = _outcome(saved, config, out_dir)
     if fixed := record_fixed_cost(out_dir, rows, began):
         echo(describe_fixed_cost(fixed, rows[-1]["round"]))
+    if node_budget is not None:
+        echo(describe_node_ledgers(out_dir, config.num_clients, node_budget))
     return rows

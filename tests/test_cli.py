@@ -387,3 +387,26 @@ def test_a_command_stopped_from_outside_says_how_to_continue_its_run(monkeypatch
     err = capsys.readouterr().err
     assert err == f"fedlora: stopped by {why}: continue the run with `fedlora run --resume {tmp_path / 'run'}`\n"
     assert not cli._HELD
+
+
+def test_ledger_says_what_a_node_spent_against_the_server(capsys, tmp_path):
+    from fedlora.privacy.events import GaussianRelease
+    from fedlora.privacy.node_budget import NodeBudget
+
+    budget = NodeBudget(tmp_path / "ledger.jsonl")
+    for run in (3, 3, 9):
+        budget.spend((GaussianRelease(2.0),), run=run, round=1)
+    assert main(["ledger", str(tmp_path / "ledger.jsonl"), "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["replies"], shown["runs"]) == (3, ["3", "9"])
+    assert shown["epsilon"] == pytest.approx(budget.spent()) and shown["epsilon"] > 0
+    assert main(["ledger", str(tmp_path / "ledger.jsonl")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"{tmp_path / 'ledger.jsonl'}: 3 replies in 2 runs, ")
+    assert out[1] == (f"epsilon {shown['epsilon']:.3f} at delta 1e-05, against the server, counting only the noise "
+                      "this node added (known-sample exact)")
+    for argv, message in [([str(tmp_path / "missing")], "is not a file"),
+                          ([str(tmp_path / "ledger.jsonl"), "--delta", "2"], "must lie in (0, 1)")]:
+        assert main(["ledger", *argv]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1

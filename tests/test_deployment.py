@@ -20,7 +20,9 @@ from fedlora.config import DEPLOY_PRESET, RunConfig
 from fedlora.credentials import make_credentials
 from fedlora.experiment import reconstruct
 from fedlora.federation import GlobalState
-from fedlora.launch import CONNECTION, DEPLOYMENT_FILE, Flower, RoundProgress, deploy_locally, free_port, supernode_args
+from fedlora.launch import (CONNECTION, DEPLOYMENT_FILE, Flower, RoundProgress, deploy_locally, free_port, node_ledger,
+                            supernode_args)
+from fedlora.privacy.node_budget import NodeBudget
 from tests.helpers import leftover_flower_processes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,14 +86,22 @@ def test_the_clientapp_starts_without_torch():
 
 def test_a_tls_deployment_under_secure_aggregation(tmp_path):
     """SecAgg+ between real SuperNodes (each stage a message, Flower's mod in each ClientApp process): the round's
-    sum is released, and no file on the server side holds a reply."""
+    sum is released, and no file on the server side holds a reply. Each node keeps its own ledger: its one reply,
+    its own noise share."""
     config = RunConfig.from_mapping({**FAST, "noise-placement": "secagg", "num-rounds": 1, "num-clients": 3,
                                      "clients-per-round": 3})  # N_min >= 3: two would expose each reply
     credentials = make_credentials(tmp_path / "credentials", nodes=3)
-    rows = deploy_locally(config, tmp_path / "run", credentials=credentials, echo=lambda line: None)
+    said = []
+    rows = deploy_locally(config, tmp_path / "run", credentials=credentials, echo=said.append, node_budget=1e3)
     assert [r["replies"] for r in rows] == [3] and rows[0]["accuracy"] is not None
     assert rows[0]["threat_model"].startswith("known-sketch, noise in client shares under secure aggregation;")
     assert rows[0]["epsilon"] <= config.target_epsilon and rows[0]["bytes_up"] > 0
+    for i in range(3):
+        (record,) = NodeBudget(node_ledger(tmp_path / "run", i)).records()
+        (share,) = record["release"]
+        assert record["round"] == 1 and share["type"] == "SkellamRelease"
+        assert share["noise_multiplier"] == pytest.approx(rows[0]["noise_multiplier"] / 3 ** 0.5)
+    assert said[-1].startswith("the nodes' own ledgers: epsilon ") and "of each node's budget 1000" in said[-1]
     assert not leftover_flower_processes()
 
 
@@ -187,6 +197,7 @@ def test_run_resume_refuses_a_deployment(capsys, tmp_path):
     (["--insecure", "--credentials", "creds"], "exclude each other"),
     (["--credentials", "missing"], "fedlora credentials DIR --nodes 2"),
     (["--set", "simulation-nodes=1"], "simulation-nodes is for simulations"),
+    (["--node-budget", "0"], "must be positive"),
 ])
 def test_deploy_bad_input_is_one_line_and_exit_2_before_anything_starts(capsys, monkeypatch, tmp_path, argv, message):
     monkeypatch.chdir(tmp_path)

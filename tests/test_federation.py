@@ -705,3 +705,65 @@ def test_groups_released_on_the_host_s_thread_release_what_they_release_one_afte
     for one, other in zip((r for g in threaded for r in g), (r for g in sequential for r in g)):
         assert one.release.keys() == other.release.keys() and one.clip_bit == other.clip_bit
         assert all(torch.equal(one.release[n], other.release[n]) for n in one.release)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ({"strategy": "sgmm-ffa-lora"}, "gaussian"),  # known-sketch: clipped after the sketch
+    ({"strategy": "gm-flexlora", "threat-model": "secret-sketch"}, "gaussian"),  # no sketch to know
+    ({"strategy": "sgmm-ffa-lora", "clip-quantile": 0.5}, "gaussian and bit"),
+    ({"strategy": "sgmm-ffa-lora", "noise-placement": "secagg", "clients-per-round": 4}, "share"),
+    ({"strategy": "sgmm-ffa-lora", "noise-source": "seeded"}, "run seed"),
+    ({"strategy": "sgmm-ffa-lora", "noise-placement": "server"}, "added by the server"),
+    ({"strategy": "sgmm-ffa-lora", "threat-model": "secret-sketch"}, "clipped before the sketch"),
+    ({"strategy": "ffa-lora"}, "adds no noise"),
+])
+def test_a_reply_releases_to_a_server_only_the_noise_its_client_adds(overrides, expected):
+    from fedlora.lora import get_adapters, get_head, to_message
+    from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, SkellamRelease
+
+    config = RunConfig.from_mapping({**SMALL, "noise-source": "os", "noise-multiplier": 1.3, "target-epsilon": 0,
+                                     **overrides})
+    protocol = Protocol(config, 1.3)
+    model = protocol.build_model()
+    message = {**to_message(get_adapters(model), mode=protocol.mode), **get_head(model)}
+    mechanism = protocol.mechanism_for(1)
+    release, why = protocol.release_to_server(message, mechanism), protocol.unprotected_to_server(mechanism)
+    if expected == "gaussian":
+        assert release == (GaussianRelease(1.3),) and why is None
+    elif expected == "gaussian and bit":
+        assert release == (GaussianRelease(1.3), protocol.clipping.release()) and why is None
+    elif expected == "share":  # its own share of the sum's noise: z / sqrt(N_min)
+        (share,) = release
+        assert isinstance(share, SkellamRelease) and why is None
+        assert share.noise_multiplier == pytest.approx(1.3 / config.required_replies() ** 0.5)
+        assert share == protocol.release_of(message, mechanism)[0].one_reply()
+    else:
+        assert release == (NonPrivateRelease(),) and expected in why
+
+
+def test_nodes_with_a_privacy_budget_refuse_the_round_that_would_pass_it(tmp_path):
+    """Every node keeps a ledger allowing two replies at the run's z: they reply twice, then refuse, and the server
+    reports why; a seeded run is refused at once, whatever its z."""
+    def with_ledgers(budget, **overrides):
+        config = {**SMALL, "clients-per-round": 5, "num-rounds": 3, "noise-source": "os", "noise-multiplier": 4.0,
+                  "target-epsilon": 0, "round-retries": 0, **overrides}
+        grid = InProcessGrid(client_app, 5, config)
+        for node, context in grid.contexts.items():
+            context.node_config.update({"privacy-ledger": str(tmp_path / f"node{node}.jsonl"),
+                                        "privacy-budget": budget})
+        strategy = run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                run_config=config), echo=lambda line: None)
+        return strategy.reason
+
+    from tests.test_node_budget import _gaussian_epsilon
+    two = _gaussian_epsilon(np.sqrt(2) * 2 / 4.0, 1e-5)
+    stopped = with_ledgers(two * 1.01, **{"out-dir": str(tmp_path / "run")})
+    assert stopped.startswith("round 3 got 0 valid replies") and "Refused by this node's privacy budget" in stopped
+    for node in range(1, 6):
+        records = [json.loads(line) for line in (tmp_path / f"node{node}.jsonl").read_text().splitlines()]
+        assert [(r["round"], r["release"]) for r in records] == [
+            (1, [{"type": "GaussianRelease", "noise_multiplier": 4.0}]),
+            (2, [{"type": "GaussianRelease", "noise_multiplier": 4.0}])]
+    seeded = with_ledgers(100.0, **{"noise-source": "seeded"}, **{"out-dir": str(tmp_path / "seeded")})
+    assert "drawn from the run seed" in seeded
+    assert all(len((tmp_path / f"node{node}.jsonl").read_text().splitlines()) == 2 for node in range(1, 6))

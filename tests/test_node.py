@@ -19,10 +19,26 @@ def test_node_config_gives_partition_data_and_secret():
     ({"partition-id": 2, "num-partitions": 2}, r"must lie in \[0, num-partitions = 2\)"),
     ({"partition-id": "a", "num-partitions": 2}, "whole numbers"),
     ({"partition-id": 0, "num-partitions": 2, "data_dir": "/d"}, "Unknown node-config key 'data_dir'"),
+    ({"partition-id": 0, "num-partitions": 2, "privacy-budget": 8}, "need privacy-ledger"),
+    ({"partition-id": 0, "num-partitions": 2, "privacy-ledger": "/l", "privacy-budget": 0}, "positive epsilon"),
+    ({"partition-id": 0, "num-partitions": 2, "privacy-ledger": "/l", "privacy-budget": "eight"}, "must be a number"),
+    ({"partition-id": 0, "num-partitions": 2, "privacy-ledger": "/l", "privacy-delta": 1}, r"lie in \(0, 1\)"),
 ])
 def test_bad_node_config_is_one_sentence(node_config, message):
     with pytest.raises(ValueError, match=message):
         NodeSettings.from_node_config(node_config)
+
+
+def test_a_node_budget_comes_with_its_ledger(tmp_path):
+    plain = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 2})
+    assert plain.budget() is None
+    node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 2, "privacy-ledger": str(tmp_path / "l"),
+                                          "privacy-budget": "4.5", "privacy-delta": "1e-6"})
+    budget = node.budget()
+    assert (budget.path, budget.epsilon, budget.delta) == (tmp_path / "l", 4.5, 1e-6)
+    recording = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 2, "privacy-ledger": "~/l"})
+    assert recording.budget().epsilon is None and recording.budget().delta == 1e-5
+    assert not str(recording.budget().path).startswith("~")
 
 
 def test_sketch_secret_is_256_bits_owner_only_and_fixes_the_seed(tmp_path):

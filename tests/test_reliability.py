@@ -361,7 +361,7 @@ def test_resume_and_run_directories_refuse_bad_input_with_one_line(tmp_path, cap
 
     _run(tmp_path, num_rounds=1)
     for argv, message in [(["--resume", str(tmp_path)], "has ended (finished, 1 rounds)"),
-                          (["--resume", str(tmp_path), "--set", "lr=1"], "its own config, directory and security: drop --set."),
+                          (["--resume", str(tmp_path), "--set", "lr=1"], "its own config, directory, security and node budget: drop --set."),
                           (["--out", str(tmp_path)], "holds a run that has ended (finished): choose another --out")]:
         assert main(["run", *argv]) == 2
         err = capsys.readouterr().err

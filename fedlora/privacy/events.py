@@ -6,7 +6,9 @@ mechanism cannot forget its privacy cost. Noise multipliers are relative to the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import typing
 from dataclasses import dataclass
 from enum import Enum
 
@@ -117,6 +119,16 @@ class NonPrivateRelease:
 
 
 Release = GaussianRelease | SketchedRelease | SkellamRelease | NonPrivateRelease
+_RELEASES = {cls.__name__: cls for cls in typing.get_args(Release)}  # every kind a ledger can hold
+
+
+def release_to_dict(release: Release) -> dict:
+    """A release as JSON-ready data (checkpoints, a node's ledger)."""
+    return {"type": type(release).__name__, **dataclasses.asdict(release)}
+
+
+def release_from_dict(data: dict) -> Release:
+    return _RELEASES[data["type"]](**{k: v for k, v in data.items() if k != "type"})
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,11 @@ is on ``target_observer``'s.
 from __future__ import annotations
 
 import dataclasses
-import typing
 from dataclasses import dataclass, field
 
 from fedlora.privacy.accounting import PrivacyReport, epsilon
-from fedlora.privacy.events import Observer, Phase, Release, SamplingScheme, observers, trust_label
-
-_RELEASES = {cls.__name__: cls for cls in typing.get_args(Release)}  # every kind a checkpoint can hold
+from fedlora.privacy.events import (Observer, Phase, Release, SamplingScheme, observers, release_from_dict,
+                                    release_to_dict, trust_label)
 
 
 @dataclass
@@ -97,13 +95,13 @@ class PrivacyLedger:
                 "server_derives_sketch": self.server_derives_sketch,
                 "phases": [{"name": p.name, "rounds": p.rounds,
                             "sampling": {**dataclasses.asdict(p.sampling), "kind": p.sampling.kind.value},
-                            "release": [{"type": type(r).__name__, **dataclasses.asdict(r)} for r in p.release]}
+                            "release": [release_to_dict(r) for r in p.release]}
                            for p in self.phases]}
 
     @classmethod
     def from_dict(cls, state: dict) -> PrivacyLedger:
         phases = [Phase(p["name"],
-                        tuple(_RELEASES[r["type"]](**{k: v for k, v in r.items() if k != "type"}) for r in p["release"]),
+                        tuple(release_from_dict(r) for r in p["release"]),
                         SamplingScheme(**p["sampling"]), p["rounds"]) for p in state["phases"]]
         return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases,
                    state.get("placement", "client"), state.get("target_observer", Observer.MODEL.value),
