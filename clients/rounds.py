@@ -9,6 +9,7 @@ partitions; per round only the adapters (and head) are loaded from the server's 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections import OrderedDict
@@ -70,7 +71,10 @@ def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, No
     """The run config, the round's protocol (its noise and sketch seed) and this node's settings."""
     config = run_config_of(context.run_config)
     round_config = msg.content["config"]
-    protocol = Protocol(config, float(round_config["noise-multiplier"]), float(round_config["probe-noise-multiplier"]))
+    noise = [float(round_config[key]) for key in ("noise-multiplier", "probe-noise-multiplier")]
+    if not all(math.isfinite(z) and z >= 0 for z in noise):
+        raise ValueError(f"The round's noise multipliers must be finite and non-negative, got {noise}.")
+    protocol = Protocol(config, *noise)
     node = NodeSettings.from_node_config(context.node_config)
     if node.privacy_ledger and (ASSIGNED in round_config or PACKED in round_config):
         raise ValueError("A node that keeps a privacy ledger (privacy-ledger) trains only its own client: the server "
@@ -112,15 +116,23 @@ def reply(msg: Message, release: dict, metrics: dict, clip_bit: float | None = N
 def round_clip_norm(msg: Message) -> float | None:
     """The round's clip norm, which adaptive clipping moves (None: the config's)."""
     config = msg.content["config"]
-    return float(config["clip-norm"]) if "clip-norm" in config else None
+    if "clip-norm" not in config:
+        return None
+    clip_norm = float(config["clip-norm"])
+    if not (math.isfinite(clip_norm) and clip_norm > 0):
+        raise ValueError(f"The round's clip norm must be finite and positive, got {clip_norm}.")
+    return clip_norm
 
 
 def train_round(msg: Message, context: Context, startup_seconds: float) -> Message:
     """The reply to a round's message: this node's client, or the clients the message names (simulation-nodes)."""
     config, protocol, node = round_setup(msg, context)
     round_config, state = msg.content["config"], global_state(msg)
+    if protocol.placement is NoisePlacement.SECAGG:  # its noise comes with SecAgg+'s encoding, in its stages only
+        raise ValueError('This run adds the noise in shares under secure aggregation (noise-placement = "secagg"), '
+                         "but the round came without SecAgg+'s stages: a reply would carry no noise.")
     if PACKED not in round_config:  # this node's own client
-        return reply(msg, *_client_round(msg, protocol, state, node, _local_data(config, node), startup_seconds))
+        return reply(msg, *_client_round(msg, protocol, state, node, config, startup_seconds))
     if node.data_dir:
         raise ValueError("A node with its own data (data-dir) trains only itself: several clients per message "
                          "(simulation-nodes) are for simulations.")
@@ -156,8 +168,7 @@ def secure_train(msg: Message, context: Context, startup_seconds: float) -> Mess
     """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     config, protocol, node = round_setup(msg, context)
-    release, metrics, _ = _client_round(msg, protocol, global_state(msg), node, _local_data(config, node),
-                                        startup_seconds)
+    release, metrics, _ = _client_round(msg, protocol, global_state(msg), node, config, startup_seconds)
     return encoded_reply(msg, protocol, node.partition_id, release, metrics)
 
 
@@ -184,18 +195,19 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
     }), reply_to=msg)
 
 
-def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: NodeSettings,
-                  data, startup_seconds: float) -> tuple[dict, dict, float | None]:
+def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: NodeSettings, config: RunConfig,
+                  startup_seconds: float) -> tuple[dict, dict, float | None]:
     """One node's own client's round: its release, telemetry and clip bit."""
-    guard = _budget_guard(msg, protocol, node)
-    trained = _train_clients(msg, protocol, state, [node.partition_id], [data])
+    guard = _budget_guard(msg, protocol, node)  # before any work: it may refuse the round
+    trained = _train_clients(msg, protocol, state, [node.partition_id], [_local_data(config, node)])
     return _release_clients(msg, protocol, [node.partition_id], trained, startup_seconds, _ray_node(), guard)[0]
 
 
-def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Callable[[dict, Mechanism], None] | None:
+def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Callable[[dict, Mechanism], dict] | None:
     """Where the node keeps a privacy ledger: records what each reply releases to the server before it leaves, and
     refuses a reply past the node's budget (fedlora.privacy.node_budget); a reply that would carry no noise of the
-    node's own is refused here, before training."""
+    node's own is refused here, before training. A message that is not finite is sent as zeros, noised: that
+    training diverged is itself a fact about the data, which an error reply would tell the server unnoised."""
     budget = node.budget()
     if budget is None:
         return None
@@ -204,10 +216,13 @@ def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Calla
     if why and budget.epsilon is not None:
         budget.refuse_unprotected(why)
 
-    def spend(message: dict, mechanism: Mechanism) -> None:
+    def spend(message: dict, mechanism: Mechanism) -> dict:
         budget.spend(protocol.release_to_server(message, mechanism),
                      why_unprotected=protocol.unprotected_to_server(mechanism), run=msg.metadata.run_id,
                      round=int(round_config["server-round"]), release=int(round_config["release"]))
+        if all(bool(torch.isfinite(t).all()) for t in message.values()):
+            return message
+        return {name: torch.zeros_like(t) for name, t in message.items()}
 
     return spend
 
@@ -223,7 +238,7 @@ def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
 
 def _release_clients(msg: Message, protocol: Protocol, partition_ids: list[int],
                      trained: TrainedClients, startup_seconds: float, where: dict[str, int],
-                     guard: Callable[[dict, Mechanism], None] | None = None) -> list[tuple[dict, dict, float | None]]:
+                     guard: Callable[[dict, Mechanism], dict] | None = None) -> list[tuple[dict, dict, float | None]]:
     """Each trained client's release, telemetry and clip bit."""
     round_config = msg.content["config"]
     release = int(round_config["release"])

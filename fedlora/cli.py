@@ -633,11 +633,13 @@ def deploy(args: argparse.Namespace) -> None:
 
     from fedlora.config import DEPLOY_PRESET, RunConfig, load_config
     from fedlora.credentials import Credentials, make_credentials
-    from fedlora.launch import deploy_locally, deployment_credentials
+    from fedlora.launch import DEPLOYMENT_FILE, deploy_locally, deployment_credentials
 
     if args.resume:
         out_dir, config, credentials = _resumable(args, "deploy", check=deployment_credentials)
         print(f"  security: {_security(credentials)}")
+        if (budget := json.loads((Path(out_dir) / DEPLOYMENT_FILE).read_text()).get("node_budget")) is not None:
+            print(_node_budget_line(budget, out_dir))
         _done(deploy_locally(config, out_dir, credentials=credentials, resume=True, began=_command_start()), out_dir,
               config)
         return
@@ -674,10 +676,14 @@ def deploy(args: argparse.Namespace) -> None:
         credentials = make_credentials(written, nodes=config.num_clients)
     print(f"  security: {_security(credentials)}")
     if args.node_budget is not None:
-        print(f"  node budgets: each SuperNode refuses replies past epsilon {args.node_budget:g} against the server "
-              f"by its own ledger ({Path(out_dir) / 'nodes'})")
+        print(_node_budget_line(args.node_budget, out_dir))
     _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start(),
                          node_budget=args.node_budget), out_dir, config)
+
+
+def _node_budget_line(budget: float, out_dir) -> str:
+    return f"  node budgets: each SuperNode refuses replies past epsilon {budget:g} against the server by its own " \
+           f"ledger ({os.path.join(out_dir, 'nodes')})"
 
 
 def _security(credentials) -> str:
@@ -1008,8 +1014,8 @@ def ledger(args: argparse.Namespace) -> dict:
     records = budget.records()
     runs = sorted({str(r.get("run", "?")) for r in records})
     result = {"path": str(path), "replies": len(records), "runs": runs, "epsilon": budget.spent(records),
-              "delta": args.delta, "first": records[0]["time"] if records else None,
-              "last": records[-1]["time"] if records else None,
+              "delta": args.delta, "first": records[0].get("time") if records else None,
+              "last": records[-1].get("time") if records else None,
               "threat_model": "against the server, counting only the noise this node added (known-sample exact)"}
     if args.json:
         print(json.dumps(result, indent=2))

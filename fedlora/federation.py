@@ -340,11 +340,11 @@ class Protocol:
 
     def release_clients(self, trained: TrainedClients, *, round_: int, noises: Sequence[torch.Generator | None],
                         release: int | None = None, clip_norm: float | None = None,
-                        guard: Callable[[Message, Mechanism], None] | None = None) -> list[ClientRound]:
+                        guard: Callable[[Message, Mechanism], Message] | None = None) -> list[ClientRound]:
         """Each trained client's round: its message (or update) clipped and privatized with its own noise, on the
         host; safe in another thread than the training's (its randomness is the ``noises`` and the round's seeded
-        sketches). ``guard`` sees each message and its mechanism first, and may refuse it by raising (a node's own
-        budget)."""
+        sketches). ``guard`` sees each message and its mechanism first, and gives the message to privatize, or
+        refuses it by raising (a node's own budget)."""
         release = round_ if release is None else release
         rounds = []
         for message, loss, noise in zip(trained.messages, trained.losses, noises):
@@ -352,7 +352,7 @@ class Protocol:
             if self.sends_updates:
                 message = self.update_of(trained.start, message)
             if guard is not None:
-                guard(message, self.mechanism_for(round_, clip_norm))
+                message = guard(message, self.mechanism_for(round_, clip_norm))
             out, bit = self.privatize(message, round_=round_, release=release, noise=noise, clip_norm=clip_norm)
             rounds.append(ClientRound(out, loss, trained.train_seconds, time.perf_counter() - privatizing, bit))
         return rounds

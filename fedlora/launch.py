@@ -343,13 +343,14 @@ def supernode_args(index: int, *, superlink: str, port: int, num_nodes: int, cre
     ``ledger``, the node records its replies there and refuses those past ``budget`` (fedlora.privacy.node_budget)."""
     node_config = f"partition-id={index} num-partitions={num_nodes}"
     if ledger is not None:
-        node_config += f' privacy-ledger="{ledger}"' + (f" privacy-budget={budget!r}" if budget is not None else "")
+        node_config += f" privacy-ledger={_quoted(ledger)}" + (f" privacy-budget={budget!r}" if budget is not None
+                                                               else "")
     args = ["flower-supernode", "--superlink", superlink, "--host", "127.0.0.1", "--port", str(port)]
     if credentials is None:
         return [*args, "--insecure", "--node-config", node_config]
     folder = credentials.node_dir(index).resolve()
     if secret:
-        node_config += f' sketch-secret-file="{folder / "sketch-secret"}"'
+        node_config += f" sketch-secret-file={_quoted(folder / 'sketch-secret')}"
     return [*args, "--root-certificates", str(folder / "ca.crt"), "--auth-supernode-private-key",
             str(folder / "node.key"), "--node-config", node_config]
 
@@ -369,6 +370,16 @@ def deployment_credentials(out_dir: Path, config: RunConfig) -> Credentials | No
     return credentials
 
 
+def _quoted(path: Path) -> str:
+    """``path`` as a --node-config value: Flower reads a quoted value up to the next quote of its kind, as TOML."""
+    text = str(path)
+    if "'" not in text:
+        return f"'{text}'"  # a TOML literal string: no escapes
+    if '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    raise ValueError(f"'{text}' holds both kinds of quote: --node-config cannot pass it; choose another --out.")
+
+
 def node_ledger(out_dir: Path, index: int) -> Path:
     """Where node ``index`` of a local deployment keeps its privacy ledger."""
     return Path(out_dir) / "nodes" / f"node-{index}" / "privacy-ledger.jsonl"
@@ -378,7 +389,10 @@ def describe_node_ledgers(out_dir: Path, num_nodes: int, budget: float) -> str:
     """What the nodes of a local deployment spent by their own ledgers, in one line."""
     from fedlora.privacy.node_budget import NodeBudget
 
-    spent = [NodeBudget(node_ledger(out_dir, i), budget).spent() for i in range(num_nodes)]
+    try:
+        spent = [NodeBudget(node_ledger(out_dir, i), budget).spent() for i in range(num_nodes)]
+    except ValueError as error:  # a damaged ledger: the run's outcome stands, the ledger is named
+        return f"the nodes' own ledgers: {error}"
     return (f"the nodes' own ledgers: epsilon {min(spent):.3f} to {max(spent):.3f} against the server, of each "
             f"node's budget {budget:g} (only the noise each node added; {Path(out_dir) / 'nodes'})")
 

@@ -311,3 +311,17 @@ def test_the_superlink_admits_registered_supernodes_only(tmp_path):
     finally:
         flower.stop_all()
     assert not leftover_flower_processes()
+
+
+@pytest.mark.parametrize("folder", ["runs/plain dir", "runs/it's", 'runs/say "hi"'])
+def test_a_nodes_ledger_path_reaches_its_node_config_as_written(folder):
+    from flwr.common.config import parse_config_args
+
+    ledger = Path(folder) / "privacy-ledger.jsonl"
+    args = supernode_args(0, superlink="127.0.0.1:1", port=2, num_nodes=2, credentials=None, secret=False,
+                          ledger=ledger, budget=8.0)
+    parsed = parse_config_args([args[args.index("--node-config") + 1]])
+    assert parsed == {"partition-id": 0, "num-partitions": 2, "privacy-ledger": str(ledger), "privacy-budget": 8.0}
+    with pytest.raises(ValueError, match="both kinds of quote"):
+        supernode_args(0, superlink="127.0.0.1:1", port=2, num_nodes=2, credentials=None, secret=False,
+                       ledger=Path("it's \"both\""), budget=8.0)

@@ -767,3 +767,58 @@ def test_nodes_with_a_privacy_budget_refuse_the_round_that_would_pass_it(tmp_pat
     seeded = with_ledgers(100.0, **{"noise-source": "seeded"}, **{"out-dir": str(tmp_path / "seeded")})
     assert "drawn from the run seed" in seeded
     assert all(len((tmp_path / f"node{node}.jsonl").read_text().splitlines()) == 2 for node in range(1, 6))
+
+
+def _a_round_message(tmp_path, **overrides):
+    """A real round's training message (the first of a 1-round in-process run) and its run config."""
+    seen = []
+
+    def client(msg, context):
+        if msg.metadata.message_type == "train":
+            seen.append(msg)
+        return client_app(msg, context)
+
+    config = {**SMALL, "num-rounds": 1, "noise-source": "os", "noise-multiplier": 2.0, "target-epsilon": 0,
+              **overrides, "out-dir": str(tmp_path / "run")}
+    run_federation(InProcessGrid(client, 5, config), Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                                             run_config=config), echo=lambda line: None)
+    return seen[0], config
+
+
+def test_a_node_follows_only_the_paths_an_honest_server_uses(tmp_path):
+    """A round whose run adds its noise in shares but that skips SecAgg+'s stages would get the clipped update
+    unnoised: every node refuses it. Noise multipliers and clip norms that are not finite are refused too."""
+    from fedlora.clients.rounds import train_round
+
+    msg, config = _a_round_message(tmp_path)
+    node = {"partition-id": 0, "num-partitions": 5}
+
+    def context(**run):
+        return Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={**config, **run})
+
+    with pytest.raises(ValueError, match="came without SecAgg\\+'s stages: a reply would carry no noise"):
+        train_round(msg, context(**{"noise-placement": "secagg", "clients-per-round": 4}), 0.0)
+    for key, value, message in [("noise-multiplier", float("nan"), "noise multipliers must be finite"),
+                                ("clip-norm", float("inf"), "clip norm must be finite and positive")]:
+        msg.content["config"][key] = value
+        with pytest.raises(ValueError, match=message):
+            train_round(msg, context(), 0.0)
+        msg.content["config"][key] = 2.0
+
+
+def test_a_node_with_a_ledger_sends_a_diverged_update_as_noise_not_as_an_error(tmp_path):
+    """Whether training diverged is a fact about the data: a node with a ledger sends zeros, noised and counted,
+    where an error reply would tell the server unnoised."""
+    from fedlora.clients.rounds import _budget_guard
+    from fedlora.node import NodeSettings
+
+    msg, config = _a_round_message(tmp_path)
+    protocol = Protocol(run_config_of(config), 2.0)
+    node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 5,
+                                          "privacy-ledger": str(tmp_path / "ledger.jsonl"), "privacy-budget": 50})
+    guard = _budget_guard(msg, protocol, node)
+    finite = {"a": torch.ones(3), "b": torch.ones(2)}
+    assert guard(finite, protocol.mechanism) is finite
+    sent = guard({"a": torch.tensor([1.0, float("nan"), 2.0]), "b": torch.ones(2)}, protocol.mechanism)
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in sent.values()) and set(sent) == {"a", "b"}
+    assert len(node.budget().records()) == 2

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
+import math
 import os
 import time
 from collections import Counter
@@ -27,6 +29,7 @@ from fedlora.privacy.accounting import known_sample_epsilon
 from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Phase, Release, Sampling, SamplingScheme,
                                     SkellamRelease, release_from_dict, release_to_dict)
 
+_log = logging.getLogger(__name__)  # the node's own log (a SuperNode's output), not the reply
 EVERY_TIME = SamplingScheme(Sampling.FIXED, num_clients=1, clients_per_round=1)  # the node knows its every reply
 
 
@@ -92,12 +95,15 @@ class NodeBudget:
         raise BudgetRefused(self._refusal((NonPrivateRelease(),), [], float("inf"), why))
 
     def _refusal(self, release: tuple[Release, ...], records: list[dict], after: float, why: str | None) -> str:
-        budget = f"this node's privacy budget against the server (epsilon {self.epsilon:g} at delta {self.delta:g})"
-        if after == float("inf"):
-            return f"Refused by {budget}: this reply would carry {describe_release(release)}" + (f" ({why})." if why
-                                                                                                   else ".")
-        return (f"Refused by {budget}: its {len(records)} replies so far spent {self.spent(records):.3f} "
-                f"({self.path}), and this one ({describe_release(release)}) would bring it to {after:.3f}.")
+        """What the server is told (the reason; not what the ledger holds, which spans the node's other federations),
+        after the whole of it goes to the node's own log."""
+        reason = ", past the budget" if after < math.inf else f" ({why})" if why else ""
+        told = f"Refused by this node's privacy budget against the server: this reply would carry " \
+               f"{describe_release(release)}{reason}."
+        _log.warning("%s The ledger %s: %d replies spent epsilon %.3f at delta %g; this one would bring it to %.3f, "
+                     "past the budget %g.", told, self.path, len(records), self.spent(records), self.delta, after,
+                     self.epsilon)
+        return told
 
     def _parse(self, text: str) -> list[dict]:
         records = []
