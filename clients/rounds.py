@@ -168,6 +168,9 @@ def secure_train(msg: Message, context: Context, startup_seconds: float) -> Mess
     """The round under secure aggregation: the constrained release encoded as integers carrying this client's noise
     share (fedlora.secure_sum), in the reply layout secaggplus_mod masks (weight 1, telemetry beside it)."""
     config, protocol, node = round_setup(msg, context)
+    if protocol.placement is not NoisePlacement.SECAGG:
+        raise ValueError("A round under SecAgg+ for a run whose noise is not added in shares "
+                         f"(noise-placement = \"{protocol.placement.value}\"): refused.")
     release, metrics, _ = _client_round(msg, protocol, global_state(msg), node, config, startup_seconds)
     return encoded_reply(msg, protocol, node.partition_id, release, metrics)
 
@@ -212,9 +215,10 @@ def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Calla
     if budget is None:
         return None
     round_config = msg.content["config"]
-    why = protocol.unprotected_to_server(protocol.mechanism_for(int(round_config["server-round"])))
-    if why and budget.epsilon is not None:
-        budget.refuse_unprotected(why)
+    mechanism = protocol.mechanism_for(int(round_config["server-round"]), round_clip_norm(msg))
+    why = protocol.unprotected_to_server(mechanism)
+    if why or protocol.placement is not NoisePlacement.SECAGG:  # what the reply releases needs no message here
+        budget.check(protocol.release_to_server({}, mechanism), why_unprotected=why)
 
     def spend(message: dict, mechanism: Mechanism) -> dict:
         budget.spend(protocol.release_to_server(message, mechanism),
@@ -271,6 +275,8 @@ def canary_train(msg: Message, context: Context, direction: dict) -> Message:
     client (under secure aggregation, through SecAgg+ with its noise share)."""
     if RECORD_KEY_CONFIGS in msg.content.config_records:
         return secaggplus_mod(msg, context, lambda m, c: _canary_round(m, c, direction))
+    if run_config_of(context.run_config).noise_placement == NoisePlacement.SECAGG.value:
+        raise ValueError("A canary round of a run that adds its noise in shares came without SecAgg+'s stages.")
     return _canary_round(msg, context, direction)
 
 

@@ -788,7 +788,7 @@ def _a_round_message(tmp_path, **overrides):
 def test_a_node_follows_only_the_paths_an_honest_server_uses(tmp_path):
     """A round whose run adds its noise in shares but that skips SecAgg+'s stages would get the clipped update
     unnoised: every node refuses it. Noise multipliers and clip norms that are not finite are refused too."""
-    from fedlora.clients.rounds import train_round
+    from fedlora.clients.rounds import canary_train, secure_train, train_round
 
     msg, config = _a_round_message(tmp_path)
     node = {"partition-id": 0, "num-partitions": 5}
@@ -796,8 +796,13 @@ def test_a_node_follows_only_the_paths_an_honest_server_uses(tmp_path):
     def context(**run):
         return Context(run_id=1, node_id=1, node_config=node, state=RecordDict(), run_config={**config, **run})
 
+    secagg = {"noise-placement": "secagg", "clients-per-round": 4}
     with pytest.raises(ValueError, match="came without SecAgg\\+'s stages: a reply would carry no noise"):
-        train_round(msg, context(**{"noise-placement": "secagg", "clients-per-round": 4}), 0.0)
+        train_round(msg, context(**secagg), 0.0)
+    with pytest.raises(ValueError, match="came without SecAgg\\+'s stages"):
+        canary_train(msg, context(**secagg), {})
+    with pytest.raises(ValueError, match='A round under SecAgg\\+ for a run whose noise is not added in shares'):
+        secure_train(msg, context(), 0.0)  # the stages' own step, for a run with noise at the client
     for key, value, message in [("noise-multiplier", float("nan"), "noise multipliers must be finite"),
                                 ("clip-norm", float("inf"), "clip norm must be finite and positive")]:
         msg.content["config"][key] = value
@@ -822,3 +827,15 @@ def test_a_node_with_a_ledger_sends_a_diverged_update_as_noise_not_as_an_error(t
     sent = guard({"a": torch.tensor([1.0, float("nan"), 2.0]), "b": torch.ones(2)}, protocol.mechanism)
     assert all(torch.equal(t, torch.zeros_like(t)) for t in sent.values()) and set(sent) == {"a", "b"}
     assert len(node.budget().records()) == 2
+
+
+def test_a_linear_probe_round_releases_to_a_server_at_the_probe_multiplier():
+    from fedlora.lora import get_head
+    from fedlora.privacy.events import GaussianRelease
+
+    config = RunConfig.from_mapping({**SMALL, "noise-source": "os", "noise-multiplier": 1.3, "target-epsilon": 0,
+                                     "head": "probe", "probe-rounds": 1})
+    protocol = Protocol(config, 1.3, 2.5)
+    head = get_head(protocol.build_model())
+    assert protocol.release_to_server(head, protocol.mechanism_for(1)) == (GaussianRelease(2.5),)
+    assert protocol.release_to_server(head, protocol.mechanism_for(2)) == (GaussianRelease(1.3),)

@@ -47,6 +47,8 @@ def test_a_reply_past_the_budget_is_refused_and_not_recorded(tmp_path, caplog):
     assert str(refused.value) == ("Refused by this node's privacy budget against the server: this reply would carry "
                                   "Gaussian noise at multiplier 6, past the budget.")
     assert f"{allowed} replies spent epsilon {spent[-1]:.3f} at delta 1e-05" in caplog.text
+    with pytest.raises(BudgetRefused, match="past the budget"):
+        budget.check((GaussianRelease(6.0),))  # the same answer before any work
     assert (tmp_path / "ledger.jsonl").read_text() == before
     assert budget.spend((GaussianRelease(1e6),)) <= 3.0  # a nearly free reply still fits
 
@@ -74,11 +76,19 @@ def test_a_secure_aggregation_share_is_accounted_alone(tmp_path):
     assert np.isfinite(alone)
 
 
-def test_an_unreadable_ledger_stops_the_node(tmp_path):
+def test_an_unusable_ledger_stops_the_node_and_only_its_own_log_says_where(tmp_path, caplog):
     path = tmp_path / "ledger.jsonl"
     path.write_text(json.dumps({"release": [{"type": "GaussianRelease", "noise_multiplier": 1}]}) + "\n{oops\n")
-    with pytest.raises(ValueError, match="unreadable line 2"):
-        NodeBudget(path, 8.0).spend((GaussianRelease(1.0),))
+    for attempt in (lambda b: b.spend((GaussianRelease(1.0),)), lambda b: b.check((GaussianRelease(1.0),))):
+        with caplog.at_level("ERROR"), pytest.raises(ValueError) as stopped:
+            attempt(NodeBudget(path, 8.0))
+        assert str(stopped.value) == "This node's privacy ledger cannot be used; the node's own log says why."
+        assert f"{path} cannot be used" in caplog.text and "unreadable line 2" in caplog.text
+    with pytest.raises(ValueError, match="unreadable line 2"):  # the operator's own reading names the line
+        NodeBudget(path).records()
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="the node's own log says why"):
+        NodeBudget(tmp_path / "file" / "ledger.jsonl", 8.0).spend((GaussianRelease(1.0),))
 
 
 def _spend_repeatedly(path: str, start, tries: int) -> int:

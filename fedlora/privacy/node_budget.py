@@ -15,6 +15,7 @@ k replies at multipliers z_i compose to the Gaussian mechanism at mu = sqrt(sum 
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -74,25 +75,42 @@ class NodeBudget:
         with it; refuses (BudgetRefused, nothing recorded) a reply that would pass the budget, saying
         ``why_unprotected`` a reply without noise of the node's own has none. Under a lock on the file: the
         processes of one node record one at a time."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-        with os.fdopen(fd, "r+") as f:
-            fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
-            records = self._parse(f.read())
-            record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **label,
-                      "release": [release_to_dict(r) for r in reply]}
-            after = self.spent([*records, record])
-            if self.epsilon is not None and after > self.epsilon:
-                raise BudgetRefused(self._refusal(reply, records, after, why_unprotected))
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        with self._usable():
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "r+") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
+                records = self._parse(f.read())
+                record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **label,
+                          "release": [release_to_dict(r) for r in reply]}
+                after = self._check(reply, records, record, why_unprotected)
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
         return after
 
-    def refuse_unprotected(self, why: str) -> None:
-        """Refuses, before any work, a reply that would carry no noise of the node's own (``why``), as ``spend``
-        would after it."""
-        raise BudgetRefused(self._refusal((NonPrivateRelease(),), [], float("inf"), why))
+    def check(self, reply: tuple[Release, ...], *, why_unprotected: str | None = None) -> None:
+        """Refuses now, before any work, a reply that ``spend`` would refuse later (nothing is recorded)."""
+        with self._usable():
+            self._check(reply, self.records(), {"release": [release_to_dict(r) for r in reply]}, why_unprotected)
+
+    def _check(self, reply: tuple[Release, ...], records: list[dict], record: dict, why: str | None) -> float:
+        after = self.spent([*records, record])
+        if self.epsilon is not None and after > self.epsilon:
+            raise BudgetRefused(self._refusal(reply, records, after, why))
+        return after
+
+    @contextlib.contextmanager
+    def _usable(self):
+        """A ledger the node cannot read or write stops it, telling the server nothing of the file (its path and
+        contents go to the node's own log)."""
+        try:
+            yield
+        except BudgetRefused:
+            raise
+        except (OSError, ValueError) as error:
+            _log.error("The privacy ledger %s cannot be used: %s", self.path, error)
+            raise ValueError("This node's privacy ledger cannot be used; the node's own log says why.") from None
 
     def _refusal(self, release: tuple[Release, ...], records: list[dict], after: float, why: str | None) -> str:
         """What the server is told (the reason; not what the ledger holds, which spans the node's other federations),
