@@ -50,6 +50,9 @@ from fedlora.privacy.events import Observer, observer_label, other_observers
 PRIVATE = ("gm-ffa-lora", "sgmm-ffa-lora", "sgmv-ffa-lora", "gm-flexlora", "sgmm-flexlora")
 REFERENCE = {"ffa": "ffa-lora", "flex": "flexlora"}
 PLACEMENTS = ("client", "server", "secagg")
+# Noise at the server with Poisson sampling, so that target-epsilon is in the field's convention (add/remove
+# neighbours; Opacus, TF Privacy, pfl-research): where fedlora's curve sits in the units other tools print.
+POISSON = "poisson"
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 COHORTS = (5, 10, 25, 50, 100)  # N at the preset's C
 COHORT_STRATEGIES = ("gm-ffa-lora", "sgmm-ffa-lora")  # also those of accuracy against T
@@ -78,6 +81,8 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
             cases += [("frontier", strategy, placement, eps, None, None) for eps in epsilons
                       for placement in PLACEMENTS]
         cases += [("frontier", reference, "-", math.inf, None, None) for reference in REFERENCE.values()]
+        cases += [("frontier", strategy, POISSON, eps, None, None) for strategy in COHORT_STRATEGIES
+                  for eps in epsilons]
     if "cohort" in parts:
         for n in COHORTS:
             cases += [("cohort", s, "server", 8.0, n, None) for s in COHORT_STRATEGIES]
@@ -85,7 +90,7 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
     if "rounds" in parts:
         cases += [("rounds", s, "server", eps, None, t) for t in ROUNDS for s in COHORT_STRATEGIES for eps in epsilons]
     for name, chosen, known in (("strategy", strategies, (*PRIVATE, *REFERENCE.values())),
-                                ("placement", placements, (*PLACEMENTS, "-"))):
+                                ("placement", placements, (*PLACEMENTS, POISSON, "-"))):
         if unknown := [c for c in chosen or () if c not in known]:
             raise ValueError(f"Unknown {name} '{unknown[0]}'; choose from {', '.join(known)}.")
     cases = [c for c in cases if (strategies is None or c[1] in strategies)
@@ -96,7 +101,9 @@ def plan(parts: list[str], epsilons: list[float], seeds: list[int], strategies: 
         for seed in seeds:
             # fp32 wherever a run computes (auto is bf16-backbone on a GPU): a lent GPU runs the CPU's computation
             values = {"strategy": strategy, "seed": seed, "precision": "fp32"}
-            if placement != "-":
+            if placement == POISSON:
+                values["noise-placement"], values["sampling"] = "server", "poisson"
+            elif placement != "-":
                 values["noise-placement"] = placement
             if eps != math.inf:
                 values["target-epsilon"] = eps
@@ -141,8 +148,9 @@ def main() -> None:
     parser.add_argument("--epsilons", help=f"default: {','.join(f'{e:g}' for e in EPSILONS)}")
     parser.add_argument("--seeds", help="default: 0,1")
     parser.add_argument("--strategies", help="only these (comma-separated; default: all)")
-    parser.add_argument("--placements", help="only these noise placements (client, server, secagg; '-' for the "
-                                             "non-private references; default: all)")
+    parser.add_argument("--placements", help="only these noise placements (client, server, secagg; poisson for noise "
+                                             "at the server with Poisson sampling, the field's convention; '-' for "
+                                             "the non-private references; default: all)")
     parser.add_argument("--table-only", action="store_true",
                         help="rewrite the tables and plots (every finished run in the json) and run nothing")
     parser.add_argument("--workers", type=int, default=1,
@@ -290,14 +298,22 @@ def _upload_to_reach(result: dict, accuracy: float) -> float | None:
     return None
 
 
-def _other_observers(result: dict) -> str:
+def _other_observers(result: dict, placement: str) -> str:
     """The run's finite epsilons against the observers besides the one it was calibrated for, as its progress lines
-    print them (secure aggregation: the server, and a server that breaks SecAgg+; the noise added by the server
-    holds nothing against it)."""
+    print them (secure aggregation: the server, a client of the round, and a server that breaks SecAgg+; the noise
+    added by the server holds nothing against it). A run saved before 2026-11-29 (its model label without "who are
+    not clients of the round") counted a server that breaks SecAgg+ as sampling honestly: that number is left out."""
     threat_model = result["threat_model"].split(",")[0]
-    calibrated = next((o for o in Observer if result["threat_model"].endswith(observer_label(o, threat_model))), None)
+    where = "server" if placement in (POISSON, "-") else placement
+    labels = {o: observer_label(o, threat_model, where) for o in Observer}
+    calibrated = next((o for o in Observer if result["threat_model"].endswith(labels[o])), None)
+    if calibrated is None and result["threat_model"].endswith(observer_label(Observer.MODEL, threat_model)):
+        calibrated = Observer.MODEL  # saved before the label named the clients of the round
+    current = result["threat_model"].endswith(labels[Observer.MODEL]) or where == "server"
+    by_observer = {o: v for o, v in result.get("epsilon_by_observer", {}).items()
+                   if current or o != Observer.ONE_REPLY.value}
     return "".join(f"; {value:.3g} {label}"
-                   for value, label in other_observers(result.get("epsilon_by_observer", {}), calibrated, threat_model))
+                   for value, label in other_observers(by_observer, calibrated, threat_model, where))
 
 
 LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next
@@ -353,7 +369,8 @@ def _machines(groups: dict[tuple, list[dict]]) -> str:
 REACH = {None: (0.3, 0.5, 0.7), "fashion_mnist": (0.7, 0.8, 0.83)}
 
 
-NOISE = {"server": "at the server", "secagg": "in shares under SecAgg+", "client": "at each client", "-": "none"}
+NOISE = {"server": "at the server", POISSON: "at the server, Poisson sampling (epsilon under add/remove)",
+         "secagg": "in shares under SecAgg+", "client": "at each client", "-": "none"}
 
 
 def _at_a_glance(rows: list[dict]) -> list[str]:
@@ -398,7 +415,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
                      "seeds": len(results),
                      "accuracy": mean, "spread": spread, "late_accuracy": late, "late_spread": late_spread,
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
-                     "threat_model": results[0]["threat_model"] + _other_observers(results[0]),
+                     "threat_model": results[0]["threat_model"] + _other_observers(results[0], placement),
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
                      **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in reach}})
     # accuracy against T: the preset's T beside the others, for the strategies and epsilons run at another T
@@ -431,7 +448,9 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "
-             f"{config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling); "
+             f"{config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling, replace-one neighbours, except "
+             "the rows of noise at the server with Poisson sampling: rate N / C, add/remove neighbours, the field's "
+             "convention, whose epsilon reads smaller for the same noise); "
              f"clients send {'updates (FlexLoRA: the change of each product B A) applied by server SGD' if config.message == 'update' else 'their adapters'}. Final test "
              f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
              "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
@@ -446,7 +465,9 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
              "|---|---|---:|---:|---:|---:|" + "---:|" * len(reach),
-             *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}) | {_pm(r['accuracy'], r['spread'])} "
+             *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}"
+               f"{'; Poisson sampling, add/remove' if r['placement'] == POISSON else ''}) | "
+               f"{_pm(r['accuracy'], r['spread'])} "
                f"(n={r['seeds']}) | {_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} | "
                f"{r['bytes_per_client_round'] / 1024:.1f} KiB | "
                + " | ".join(kib(r[f"upload_to_{a:g}"]) for a in reach) + " |"

@@ -26,7 +26,7 @@ from fedlora.data import DeviceImages, load_image_dir, load_partition, load_spli
 from fedlora.federation import (ASSIGNED, PACKED, GlobalState, Protocol, TrainedClients, num_bytes, overlapped,
                                 packed_key)
 from fedlora.lora import get_adapters
-from fedlora.mechanisms import CLIP_MARGIN, Mechanism, NoisePlacement
+from fedlora.mechanisms import CLIP_MARGIN, Mechanism, NoisePlacement, check_carried
 from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed
 from fedlora.training import clients_at_once, select_device
@@ -119,8 +119,7 @@ def round_clip_norm(msg: Message) -> float | None:
     if "clip-norm" not in config:
         return None
     clip_norm = float(config["clip-norm"])
-    if not (math.isfinite(clip_norm) and clip_norm > 0):
-        raise ValueError(f"The round's clip norm must be finite and positive, got {clip_norm}.")
+    check_carried(clip_norm)  # a server's number that no float rounding can turn against the sensitivity
     return clip_norm
 
 
@@ -209,8 +208,7 @@ def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: No
 def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Callable[[dict, Mechanism], dict] | None:
     """Where the node keeps a privacy ledger: records what each reply releases to the server before it leaves, and
     refuses a reply past the node's budget (fedlora.privacy.node_budget); a reply that would carry no noise of the
-    node's own is refused here, before training. A message that is not finite is sent as zeros, noised: that
-    training diverged is itself a fact about the data, which an error reply would tell the server unnoised."""
+    node's own is refused here, before training."""
     budget = node.budget()
     if budget is None:
         return None
@@ -224,9 +222,7 @@ def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Calla
         budget.spend(protocol.release_to_server(message, mechanism),
                      why_unprotected=protocol.unprotected_to_server(mechanism), run=msg.metadata.run_id,
                      round=int(round_config["server-round"]), release=int(round_config["release"]))
-        if all(bool(torch.isfinite(t).all()) for t in message.values()):
-            return message
-        return {name: torch.zeros_like(t) for name, t in message.items()}
+        return message
 
     return spend
 

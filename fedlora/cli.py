@@ -228,7 +228,8 @@ def _from_config(args: argparse.Namespace, command: str) -> None:
     config = load_config(args.config)
     replaced = (("strategy", "target_epsilon", "noise_multiplier", "delta", "num_clients", "clients_per_round",
                  "sampling_rate", "rounds", "rank", "sketch_dim", "model", "threat_model", "noise_placement",
-                 "clip_count_stddev", "sampling", "head", "target_observer") if command == "privacy" else
+                 "clip_count_stddev", "sampling", "head", "target_observer", "min_replies", "accountant")
+                if command == "privacy" else
                 ("model", "rank", "targets", "sketch_dim", "vector_sketch_dim", "num_classes", "head", "message"))
     defaults = vars(build_parser().parse_args([command]))
     if given := [key for key in replaced if getattr(args, key) != defaults[key]]:
@@ -253,8 +254,8 @@ def _config_privacy(args: argparse.Namespace) -> dict:
     from dataclasses import replace
 
     from fedlora.config import load_config
-    from fedlora.experiment import noise_for
-    from fedlora.privacy.events import observer_label
+    from fedlora.experiment import noise_for, sampling_of
+    from fedlora.privacy.events import Phase, observer_label
 
     _from_config(args, "privacy")  # refuses flags the preset would override
     config = load_config(args.config, args.set)
@@ -265,30 +266,46 @@ def _config_privacy(args: argparse.Namespace) -> dict:
     sampled = (f"{config.clients_per_round} of {config.num_clients} clients per round" if config.sampling == "fixed"
                else f"each of {config.num_clients} clients with rate {config.clients_per_round / config.num_clients:.4g}")
     setting = f"{config.strategy}: {config.num_rounds} rounds, {sampled} ({config.sampling} sampling), head {config.head}"
+    if config.noise_placement == "client":
+        setting += _summed_note([Phase("lora", plan.phase_releases["lora"], sampling_of(config), 1)],
+                                plan.noise_multiplier)
     if config.noise_placement == "secagg":
         n_min = config.required_replies()
         setting += (f", secure aggregation of at least {n_min} replies (each client adds z / sqrt({n_min}) = "
                     f"{plan.noise_multiplier / n_min ** 0.5:.4g})")
     how = (f"calibrated for target epsilon {config.target_epsilon:g} "
-           f"{observer_label(config.target_observer, config.threat_model)}"
+           f"{observer_label(config.target_observer, config.threat_model, config.noise_placement)}"
            if not config.noise_multiplier else "given")
     return _privacy_result(plan.reports, noise_multiplier=plan.noise_multiplier, target_observer=config.target_observer,
-                           setting=setting, how=how, strategy=config.strategy, delta=config.delta,
+                           setting=setting, how=how, other=plan.other_convention, strategy=config.strategy, delta=config.delta,
                            noise_placement=config.noise_placement, rounds=config.num_rounds, clients_per_round=config.clients_per_round,
                            num_clients=config.num_clients, min_replies=config.required_replies()
                            if config.noise_placement == "secagg" else None,
                            probe_noise_multiplier=plan.probe_noise_multiplier if config.linear_probe_rounds() else None)
 
 
+def _summed_note(phases, z: float) -> str:
+    """Where each reply's own noise is summed into the model (noise at the client, fixed-size sampling): how much."""
+    shares = max((getattr(part, "shares", 1) for p in phases for part in p.release), default=1)
+    if shares == 1:
+        return ""
+    return (f", noise at each client: the mean of at least {shares} replies carries z sqrt({shares}) = "
+            f"{z * shares ** 0.5:.4g}")
+
+
 def _privacy_result(reports: dict, *, noise_multiplier: float, target_observer: str, setting: str, how: str,
-                    **fields) -> dict:
-    """`fedlora privacy`'s answer: the target observer's epsilon, and every observer's with its label."""
+                    other, **fields) -> dict:
+    """`fedlora privacy`'s answer: the target observer's epsilon, every observer's with its label, and the same
+    noise's epsilon in the field's other convention (``other``, a PrivacyReport or None)."""
     target = reports[target_observer]
     return {**fields, "noise_multiplier": noise_multiplier, "target_observer": target_observer,
             "epsilon": target.epsilon, "threat_model": target.threat_model, "method": target.method,
             "rdp_order": target.order, "summary": target.describe(), "setting": setting, "how": how,
             "observers": {o: {"epsilon": r.epsilon, "threat_model": r.threat_model, "method": r.method}
-                          for o, r in reports.items()}}
+                          for o, r in reports.items()},
+            "other_convention": None if other is None else {
+                "epsilon": other.epsilon, "delta": other.delta, "threat_model": other.threat_model,
+                "method": other.method}}
 
 
 def _validate_privacy(args: argparse.Namespace) -> None:
@@ -331,13 +348,17 @@ def _validate_privacy(args: argparse.Namespace) -> None:
     if args.target_observer == "server" and args.noise_placement == "server":
         raise CLIError("--target-observer server needs --noise-placement client: with noise at the server it sees "
                        "every message before the noise, and no epsilon holds against it.")
+    if args.min_replies is not None and args.min_replies > args.clients_per_round:
+        raise CLIError(f"--min-replies ({args.min_replies}) cannot exceed --clients-per-round "
+                       f"({args.clients_per_round}).")
     if args.clip_count_stddev is not None and not args.clip_count_stddev > 0:
         raise CLIError(f"--clip-count-stddev must be positive, got {args.clip_count_stddev:g}.")
 
 
 def privacy(args: argparse.Namespace) -> dict:
     from fedlora.privacy import GaussianRelease, Phase, SamplingScheme, calibrate, epsilon, observers
-    from fedlora.privacy.events import observer_label
+    from fedlora.privacy.accounting import other_convention
+    from fedlora.privacy.events import SketchedRelease, observer_label, sum_of_replies
     from fedlora.privacy.paper import round_release
 
     analysis = args.threat_model
@@ -347,31 +368,42 @@ def privacy(args: argparse.Namespace) -> dict:
     else:
         sampling = SamplingScheme("poisson", args.num_clients, rate=args.sampling_rate or clients / args.num_clients)
 
+    n_min = args.min_replies or -(-clients // 2)
+    # the model carries N_min replies' noise; FlexLoRA's is conservatively one reply's (its adapter form, the SVD of
+    # products of separately noised factors, is no function of their sum; runs of its update form, --config, are)
+    summed = (args.noise_placement == "client" and args.sampling == "fixed"
+              and get_algorithm(args.strategy).family.value != "flex")
+
     def phases(z: float):
         release = round_release(args.strategy, z, analysis, rank=args.rank, sketch_dim=args.sketch_dim,
                                 clients_per_round=clients, head=args.head)
+        if summed and not any(isinstance(part, SketchedRelease) for part in release):
+            release = tuple(sum_of_replies(part, n_min) if isinstance(part, GaussianRelease) else part
+                            for part in release)
         if args.clip_count_stddev:  # adaptive clipping's count: a Gaussian of multiplier 2 sigma_b (fedlora.clipping)
             release += (GaussianRelease(2 * args.clip_count_stddev),)
         return [Phase("lora", release, sampling, args.rounds)]
 
-    where = {"delta": args.delta, "threat_model": analysis, "placement": args.noise_placement}
+    where = {"delta": args.delta, "threat_model": analysis, "placement": args.noise_placement,
+             "fixed_sampling_pld": args.accountant == "pld"}
     if args.target_epsilon is not None:
         z = calibrate(phases, target_epsilon=args.target_epsilon, observer=args.target_observer,
                       **where).noise_multiplier
         how = (f"calibrated for target epsilon {args.target_epsilon:g} "
-               f"{observer_label(args.target_observer, analysis)}")
+               f"{observer_label(args.target_observer, analysis, args.noise_placement)}")
     else:
         z, how = args.noise_multiplier, "given"
     reports = {o.value: epsilon(phases(z), observer=o, **where) for o in observers(args.noise_placement)}
+    other = other_convention(phases(z), args.delta)
     sampled = (f"{clients} of {args.num_clients} clients per round" if args.sampling == "fixed"
                else f"each of {args.num_clients} clients with rate {sampling.q:.4g}")
     sketch = f", sketch dimension {args.sketch_dim}" if args.sketch_dim else ""
     count = (f"; adaptive clipping's count noise {args.clip_count_stddev:g}, accounted with it"
              if args.clip_count_stddev else "")
     setting = (f"{args.strategy}: {args.rounds} rounds, {sampled} ({args.sampling} sampling), rank {args.rank}"
-               f"{sketch}, head {args.head}")
+               f"{sketch}, head {args.head}{_summed_note(phases(z), z) if summed else ''}")
     return _privacy_result(reports, noise_multiplier=z, target_observer=args.target_observer, setting=setting,
-                           how=how + count, strategy=args.strategy, delta=args.delta,
+                           how=how + count, other=other, strategy=args.strategy, delta=args.delta,
                            target_epsilon=args.target_epsilon, noise_placement=args.noise_placement,
                            clip_count_stddev=args.clip_count_stddev, sampling=args.sampling, sampling_rate=sampling.q,
                            num_clients=args.num_clients, clients_per_round=clients if args.sampling == "fixed" else None,
@@ -386,6 +418,8 @@ def _print_privacy(result: dict) -> None:
     print(f"threat model: {result['threat_model'].split('; ')[0]}")
     for line in _observer_lines(result["observers"], result["delta"], result["target_observer"]):
         print(f"  {line}")
+    if result["other_convention"] is not None:
+        print(f"  {_other_convention_line(result['other_convention'])}")
 
 
 def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[str]:
@@ -404,11 +438,26 @@ def _observer_lines(reports: dict, delta: float, target_observer: str) -> list[s
     return lines
 
 
+def _other_convention_line(report) -> str:
+    """The same noise's epsilon against the model's observers in the field's other convention, labelled as such."""
+    report = report if isinstance(report, dict) else {"epsilon": report.epsilon, "method": report.method,
+                                                      "threat_model": report.threat_model, "delta": report.delta}
+    return (f"the same noise in {report['threat_model']}, against observers of the model: epsilon = "
+            f"{report['epsilon']:.4g} at delta = {report['delta']:g} ({report['method']})")
+
+
 def _why_none(observer: str, report: dict) -> str:
-    if "server derives R" in report["threat_model"]:
+    label = report["threat_model"]
+    if "no noise" in label or "not private" in label:
+        return "no noise"
+    if "server derives R" in label:
         return "the server derives the secret sketch"
-    if "noise at the server" in report["threat_model"] and observer == "server":
+    if "noise at the server" in label and observer == "server":
         return "the server sees every message before it adds the noise"
+    if "seeded noise" in label:  # the server and every node it starts hold the run seed
+        return "it holds the run seed, which removes the noise"
+    if observer == "co-client" and label.startswith("secret-sketch"):
+        return "every client knows R, and the message is clipped before the sketch"
     return "no noise"
 
 
@@ -416,6 +465,21 @@ def _print_paper_table(rows) -> None:
     from fedlora.privacy import paper
 
     print("\n".join(paper.table_lines(rows)))
+
+
+def _check_recorded_releases(saved, plan, out_dir) -> None:
+    """A resumed run's ledger must hold the releases this fedlora accounts for its rounds: a run checkpointed by a
+    fedlora that described them otherwise (before noise at the client was accounted as the sum of the replies,
+    2026-11-29) would fail mid-round; it is refused here, in one line."""
+    from fedlora.privacy import PrivacyLedger
+
+    if not saved.ledger:
+        return
+    recorded = {phase.name: phase.release for phase in PrivacyLedger.from_dict(saved.ledger).phases}
+    if changed := [name for name, release in recorded.items() if plan.phase_releases.get(name) != release]:
+        raise CLIError(f"The privacy ledger in '{out_dir}' records the {changed[0]} phase's rounds as another release "
+                       "than this fedlora accounts them (a run started by an earlier fedlora): it cannot continue "
+                       "under one accounting; start a new run.")
 
 
 def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, used=None):
@@ -439,6 +503,8 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
     _output_dir(out_dir, "the run directory" if resuming else "--out")
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
+    if resuming and (out_dir / STATE_FILE).is_file():
+        _check_recorded_releases(Checkpoint.load(out_dir), plan, out_dir)
     if used is not None and (plan.noise_multiplier, plan.probe_noise_multiplier) != tuple(used):
         raise CLIError(f"The config in '{out_dir}' calibrates noise multiplier {plan.noise_multiplier:.6g} where the "
                        f"run used {used[0]:.6g}: config.json was changed, or this fedlora calibrates differently; "
@@ -457,6 +523,8 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
         print(f"  privacy after {config.num_rounds} rounds ({plan.planned.threat_model.split('; ')[0]}):")
         for line in _observer_lines(plan.reports, config.delta, config.target_observer):
             print(f"    {line}")
+        if plan.other_convention is not None:
+            print(f"    {_other_convention_line(plan.other_convention)}")
         if config.noise_source == "seeded":
             print('  noise: seeded from the run seed (a reproducible simulation: whoever holds the seed removes it; '
                   'set noise-source = "os" for anything released)')
@@ -901,6 +969,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip-count-stddev", type=_float_arg, help="adaptive clipping: the noise on the clip count, "
                                                                 "composed with the update's")
     p.add_argument("--sampling", default="fixed", choices=["fixed", "poisson"])
+    p.add_argument("--min-replies", type=_positive, help="N_min, the fewest replies a round is aggregated from (default "
+                                                         "half of N rounded up, as runs): with noise at each client the "
+                                                         "model carries their noise summed")
+    p.add_argument("--accountant", default="rdp", choices=["rdp", "pld"],
+                   help="fixed-size sampling: RDP (default), or also the PLD of a proven dominating pair (tighter)")
     p.add_argument("--paper-table", action="store_true", help="the paper's noise table beside ours")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--config", help="a TOML preset: the run's own accounting (what `fedlora run` calibrates and "
@@ -1013,10 +1086,11 @@ def ledger(args: argparse.Namespace) -> dict:
     budget = NodeBudget(path, None, args.delta)
     records = budget.records()
     runs = sorted({str(r.get("run", "?")) for r in records})
-    result = {"path": str(path), "replies": len(records), "runs": runs, "epsilon": budget.spent(records),
+    spent, method = budget.accounting(records)
+    result = {"path": str(path), "replies": len(records), "runs": runs, "epsilon": spent, "method": method,
               "delta": args.delta, "first": records[0].get("time") if records else None,
               "last": records[-1].get("time") if records else None,
-              "threat_model": "against the server, counting only the noise this node added (known-sample exact)"}
+              "threat_model": f"against the server, counting only the noise this node added ({method})"}
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -97,8 +97,13 @@ class RunConfig:
                                  low=0.0)
     delta: float = _opt(1e-5, "delta", low=0.0, high=1.0, low_open=True, high_open=True)
     noise_multiplier: float = _opt(0.0, "z = sigma / clip-norm as given (0: calibrated to target-epsilon)", low=0.0)
-    clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message", low=0.0, low_open=True)
+    clip_norm: float = _opt(1.0, "tau, Frobenius clip of each client's whole message (where float32 carries it)",
+                            low=1e-30, high=1e30)
     threat_model: str = _opt("known-sketch", "who may know the sketch", choices=("known-sketch", "secret-sketch"))
+    accountant: str = _opt("rdp", "fixed-size sampling's accountant for the model's observers: RDP (and the "
+                                  "known-sample bound), or also the PLD of a proven dominating pair (Dong, Roth and "
+                                  "Su Thm 4.2), tighter (quickstart's z: 5.55 where RDP gives 8.0; "
+                                  "docs/explanation/threat-models.md)", choices=("rdp", "pld"))
     noise_placement: str = _opt("server", "where the noise is added: by each client to its own message (the paper; the "
                                           "server sees each noisy message and knows whose it is, so against it the "
                                           "epsilon is the known-sample one, without amplification), or by the server "
@@ -327,6 +332,9 @@ class RunConfig:
             problems.append('target-observer = "server" needs the noise away from the server (noise-placement = '
                             '"client" or "secagg"): with noise at the server it sees every message before the noise, '
                             "and no epsilon holds against it.")
+        elif self.target_observer == "server" and self.noise_source == "seeded" and algorithm.private:
+            problems.append('target-observer = "server" needs noise-source = "os": the server holds the run seed '
+                            "that seeded noise is drawn from, and no epsilon holds against it.")
         if self.message == "update":
             if algorithm.family is LoRAMode.FLEX and algorithm.sketched and self.threat_model == "secret-sketch":
                 problems.append('message = "update" with sgmm-flexlora needs threat-model = "known-sketch": the '
@@ -381,7 +389,8 @@ class RunConfig:
         algorithm = get_algorithm(self.strategy)
         if not algorithm.private:
             return dict.fromkeys(("target-epsilon", "noise-multiplier", "delta", "clip-norm", "noise-placement",
-                                  "target-observer", "probe-budget", "threat-model", "sketch-dim", "sketch-secret"),
+                                  "target-observer", "probe-budget", "threat-model", "sketch-dim", "sketch-secret",
+                                  "accountant"),
                                  f"{self.strategy} adds no noise and clips nothing")
         if not algorithm.sketched:
             return dict.fromkeys(("threat-model", "sketch-dim", "sketch-secret"),

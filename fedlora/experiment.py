@@ -20,6 +20,7 @@ from fedlora.lora import get_adapters, save_adapters
 from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
+from fedlora.privacy.accounting import other_convention
 from fedlora.privacy.events import Phase, observers, other_observers
 from fedlora.tracking import clear_progress, tracker_for, write_progress
 from fedlora.training import evaluate, select_device
@@ -39,7 +40,8 @@ def labels_of(config: RunConfig) -> dict:
     """What every epsilon of a run says besides its threat model and placement: seeded noise (a simulation), a
     secret sketch the server derives."""
     return {"seeded": config.noise_source == "seeded",
-            "server_derives_sketch": config.threat_model == "secret-sketch" and config.sketch_secret == "run-seed"}
+            "server_derives_sketch": config.threat_model == "secret-sketch" and config.sketch_secret == "run-seed",
+            "fixed_sampling_pld": config.accountant == "pld"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class NoisePlan:
     phase_releases: dict  # phase -> one round's release
     reports: dict  # observer -> the guarantee after all rounds ({} if not private)
     target_observer: str = "model"  # whose epsilon target-epsilon calibrates
+    other_convention: PrivacyReport | None = None  # the same noise in the field's other convention, to compare tools
 
     @property
     def planned(self) -> PrivacyReport | None:
@@ -112,7 +115,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
     planned = phases(z_probe, z_lora)
     reports = {o.value: epsilon(planned, **where, observer=o) for o in observers(config.noise_placement)}
     return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, reports,
-                     config.target_observer)
+                     config.target_observer, other_convention(planned, config.delta))
 
 
 class RunRecorder:
@@ -267,7 +270,7 @@ def format_progress(row: dict, config: RunConfig) -> str:
     eps = "inf (not private)" if math.isinf(row["epsilon"]) else f"{row['epsilon']:.3f} ({row['threat_model']})"
     eps += "".join(f", {value:.3f} {label}"
                    for value, label in other_observers(row.get("epsilon_by_observer", {}), row.get("observer"),
-                                                       config.threat_model))
+                                                       config.threat_model, config.noise_placement))
     line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"

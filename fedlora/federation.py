@@ -21,6 +21,7 @@ never reuses a sketch or noise.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,7 @@ from fedlora.lora import (LoRAFactors, build_lora_model, from_message, get_adapt
                           set_adapters, set_head, to_message)
 from fedlora.clipping import QuantileClipping
 from fedlora.mechanisms import Message, Mechanism, NoisePlacement, gaussian_mechanism, message_norm
-from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release
+from fedlora.privacy.events import GaussianRelease, NonPrivateRelease, Release, SketchedRelease, sum_of_replies
 from fedlora.secure_sum import SkellamSecureSum, os_generator
 from fedlora.server_optimizer import ServerOptimizer
 from fedlora.sketch import PRODUCT, NoSketch, SketchKey, Side, is_product, layer_of, side_of
@@ -349,6 +350,13 @@ class Protocol:
         rounds = []
         for message, loss, noise in zip(trained.messages, trained.losses, noises):
             privatizing = time.perf_counter()
+            if not all(bool(torch.isfinite(t).all()) for t in message.values()):
+                # that training diverged is a fact about the client's data: an error reply would tell the server
+                # unnoised (and shrink the round's sum); the node's log says it, the reply is the message it started
+                # from (an update of zero), privatized and counted as any reply
+                logging.getLogger("fedlora").warning("round %s: a client's local training diverged (its message is "
+                                                     "not finite); it replies with no change, privatized", round_)
+                message = dict(trained.start)
             if self.sends_updates:
                 message = self.update_of(trained.start, message)
             if guard is not None:
@@ -413,11 +421,24 @@ class Protocol:
                 **{n: shape for n, shape in released.items() if side_of(n) is Side.DENSE}}
 
     def release_of(self, message: Message, mechanism: Mechanism) -> tuple[Release, ...]:
-        """What one round of ``mechanism`` on ``message`` releases, for the accountant."""
+        """What one round of ``mechanism`` on ``message`` releases, for the accountant. With noise at each client and
+        fixed-size sampling, the model is the mean of at least N_min (required replies) noised replies, so its
+        Gaussian parts carry N_min clients' noise (``GaussianRelease.shares``); what one reply carries stays
+        ``one_reply()``. A secret sketch's release is accounted per message, as its bound is."""
         if self.placement is NoisePlacement.SECAGG and mechanism.private:
             return (self.secure_sum(mechanism, mechanism.released_shapes({n: tuple(t.shape)
                                                                           for n, t in message.items()})).release(),)
-        return mechanism.release_of(message, clients_per_round=self.config.clients_per_round)
+        release = mechanism.release_of(message, clients_per_round=self.config.clients_per_round)
+        if self.placement is NoisePlacement.CLIENT and self.config.sampling == "fixed" and mechanism.private \
+                and self.model_is_mean_of_replies and not any(isinstance(part, SketchedRelease) for part in release):
+            return tuple(sum_of_replies(part, self.config.required_replies()) for part in release)
+        return release
+
+    @property
+    def model_is_mean_of_replies(self) -> bool:
+        """Whether the server's model is a function of the mean of the replies, so that it carries their noise summed:
+        not FlexLoRA's adapter form, whose model is the SVD of the mean of products of separately noised factors."""
+        return not (self.mode is LoRAMode.FLEX and not self.sends_updates)
 
     def unprotected_to_server(self, mechanism: Mechanism) -> str | None:
         """Why a client's reply under ``mechanism`` carries no noise of its own that a server not following the
@@ -503,10 +524,13 @@ class Protocol:
         if mechanism.placement is NoisePlacement.CLIENT:
             mean = mean_message(releases)
         else:  # noise at the server: added to the sum here; under secure aggregation: already in it
-            total, count = (releases[0], summed) if summed else (sum_message(releases), len(releases))
-            total = {n: t.to(previous.message[n].dtype) for n, t in total.items()}  # a decoded sum is float64
+            # summed and noised in float64, rounded after the noise (a decoded secure sum is float64 already)
+            total, count = ((releases[0], summed) if summed
+                            else (sum_message([{n: t.double() for n, t in r.items()} for r in releases]),
+                                  len(releases)))
             denominator = self.denominator(count)
-            mean = {n: t / denominator for n, t in mechanism.noise_sum(total, noise).items()}
+            mean = {n: (t / denominator).to(previous.message[n].dtype)
+                    for n, t in mechanism.noise_sum(total, noise).items()}
         if not self.sends_updates:
             produced_by = previous.produced_by if phase == PROBE else release if sketched else DENSE
             return GlobalState({**previous.message, **mean}, produced_by)

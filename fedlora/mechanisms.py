@@ -58,12 +58,45 @@ def message_norm(message: Mapping[str, Tensor]) -> float:
     return float(torch.sqrt(sum(t.detach().to(torch.float64, copy=True).square_().sum() for t in message.values())))
 
 
-# Clipping scales to (1 - CLIP_MARGIN) * clip_norm, so that float32 rounding never lifts a norm above it.
+# Clipping scales to (1 - CLIP_MARGIN) * clip_norm, a margin for the float rounding of what follows the clip.
 CLIP_MARGIN = 1e-6
+# Clip norms and noise standard deviations a float32 message carries at full precision: below, entries fall among
+# float32's subnormals, whose rounding can lift a clipped message's norm far above the clip (1.9x at 7e-44), and
+# noise drawn in float32 loses its shape; above, squares and noise overflow.
+FLOAT_RANGE = (1e-30, 1e30)
 
 
-def clip_message(message: Mapping[str, Tensor], clip_norm: float) -> Message:
-    """Scales the whole message by min(1, clip_norm / ||message||_F), in float64, at least float32 out.
+def check_carried(clip_norm: float, noise_multiplier: float = 0.0) -> None:
+    """Refuses a clip norm, or a noise standard deviation (noise multiplier times clip norm), outside FLOAT_RANGE:
+    whatever a server sends, the sensitivity the accountant assumes must survive the arithmetic."""
+    low, high = FLOAT_RANGE
+    if not low <= clip_norm <= high:
+        raise ValueError(f"Clip norm must lie in [{low:g}, {high:g}], where a float32 message carries it, got "
+                         f"{clip_norm:g}.")
+    if noise_multiplier > 0 and not low <= noise_multiplier * clip_norm <= high:
+        raise ValueError(f"The noise's standard deviation (noise multiplier {noise_multiplier:g} times clip norm "
+                         f"{clip_norm:g}) must lie in [{low:g}, {high:g}], where float32 carries it.")
+
+
+def toward_zero(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """``t`` cast to ``dtype`` rounding toward zero: no entry grows, so neither does any norm (round-to-nearest can
+    lift a clipped message above its clip, where entries are subnormal)."""
+    out = t.to(dtype)
+    if out.dtype == t.dtype:
+        return out
+    grew = out.to(t.dtype).abs() > t.abs()
+    return torch.where(grew, torch.nextafter(out, torch.zeros_like(out)), out)
+
+
+def out_dtypes(message: Mapping[str, Tensor]) -> dict[str, torch.dtype]:
+    """The dtype each entry of a message is sent in: its own, at least float32."""
+    return {name: torch.promote_types(t.dtype, torch.float32) for name, t in message.items()}
+
+
+def clip_message(message: Mapping[str, Tensor], clip_norm: float, *, exact: bool = False) -> Message:
+    """Scales the whole message by min(1, clip_norm / ||message||_F) in float64, then casts it back (at least
+    float32) rounding toward zero, so that its norm stays <= clip_norm. ``exact``: keep float64, for noise to be
+    added before any rounding.
 
     A message that is not finite is refused: min(1, clip / NaN) would let it through unclipped.
     """
@@ -73,7 +106,11 @@ def clip_message(message: Mapping[str, Tensor], clip_norm: float) -> Message:
     if not math.isfinite(norm):
         raise ValueError("The message holds NaN or infinite values; it cannot be clipped or sent.")
     scale = 1.0 if norm <= clip_norm else (1 - CLIP_MARGIN) * clip_norm / norm
-    return {name: (t.double() * scale).to(torch.promote_types(t.dtype, torch.float32)) for name, t in message.items()}
+    scaled = {name: t.double() * scale for name, t in message.items()}
+    if exact:
+        return scaled
+    dtypes = out_dtypes(message)
+    return {name: toward_zero(t, dtypes[name]) for name, t in scaled.items()}
 
 
 def os_gaussian_like(t: Tensor, std: float) -> Tensor:
@@ -121,6 +158,8 @@ class Mechanism:
             raise ValueError(f"Noise multiplier must be non-negative, got {self.noise_multiplier}.")
         if self.noise_multiplier > 0 and self.clip_norm is None:
             raise ValueError("Noise without a clip norm bounds nothing: set clip_norm for a noisy mechanism.")
+        if self.clip_norm is not None:
+            check_carried(self.clip_norm, self.noise_multiplier)
         object.__setattr__(self, "threat_model", ThreatModel(self.threat_model))
         object.__setattr__(self, "placement", NoisePlacement(self.placement))
         if self.placement is not NoisePlacement.CLIENT and not isinstance(self.sketch, NoSketch) \
@@ -152,12 +191,15 @@ class Mechanism:
         """The threat model and where the noise is added, as every epsilon of this mechanism is labelled."""
         return trust_label(self.threat_model.value, self.placement.value) if self.private else "no noise: not private"
 
-    def constrain(self, message: Mapping[str, Tensor], *, key: SketchKey) -> Message:
-        """What bounds one client's influence: clip the whole message, sketch it, clip again under known-sketch."""
-        out = clip_message(message, self.clip_norm) if self.clip_norm is not None else dict(message)
+    def constrain(self, message: Mapping[str, Tensor], *, key: SketchKey, exact: bool = False) -> Message:
+        """What bounds one client's influence: clip the whole message, sketch it, clip again under known-sketch.
+        ``exact``: the clip that bounds the sensitivity (the last), and what follows it, stay in float64."""
+        last = self.clips_after_sketch
+        out = (clip_message(message, self.clip_norm, exact=exact and not last) if self.clip_norm is not None
+               else dict(message))
         out = {name: self.sketch.sketch(t, key=key, name=name) for name, t in out.items()}
-        if self.clips_after_sketch:
-            out = clip_message(out, self.clip_norm)
+        if last:
+            out = clip_message(out, self.clip_norm, exact=exact)
         return out
 
     def add_noise(self, message: Mapping[str, Tensor], noise: torch.Generator | None, *, scale: float = 1.0) -> Message:
@@ -171,8 +213,12 @@ class Mechanism:
         """The client's release: constrained, and noised when the noise is added at the client (under secure
         aggregation the noise comes with the integer encoding, ``fedlora.secure_sum``). ``noise`` defaults to the
         OS's secure randomness; seed it only in simulation."""
-        out = self.constrain(message, key=key)
-        return self.add_noise(out, noise) if self.placement is NoisePlacement.CLIENT else out
+        if self.placement is not NoisePlacement.CLIENT or not self.private:
+            return self.constrain(message, key=key)
+        # the noise goes on the float64 clipped message, before it is rounded: no rounding can lift its sensitivity
+        dtypes = out_dtypes(message)
+        noised = self.add_noise(self.constrain(message, key=key, exact=True), noise)
+        return {name: t.to(dtypes[name]) for name, t in noised.items()}
 
     def noise_sum(self, total: Mapping[str, Tensor], noise: torch.Generator | None, *, scale: float = 1.0) -> Message:
         """The server's step on the sum of a round's releases: the noise, when it is added at the server."""

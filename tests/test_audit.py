@@ -161,7 +161,7 @@ def test_secure_aggregation_audit_sees_the_server_placements_gaussian_in_the_sum
     assert alone.auc == pytest.approx(stats.norm.cdf(2 * math.sqrt(n_min) / z / math.sqrt(2)), abs=0.02)
     assert 0 < summed.empirical_epsilon < summed.accountant_epsilon < alone.empirical_epsilon < alone.accountant_epsilon
     assert summed.threat_model == ("known-sketch, noise in client shares under secure aggregation; against the server "
-                                    "(sample known)")
+                                    "(sample known, drawn as the protocol says)")
     with pytest.raises(ValueError, match="private mechanism"):
         audit_secure_sum(gaussian_mechanism(clip_norm=1.0, noise_multiplier=0.0, placement="secagg"),
                          clients_per_round=10, min_replies=8, shape=SMALL)
@@ -266,7 +266,8 @@ def test_canary_run_of_a_private_strategy_estimates_below_its_accountant(tmp_pat
     config = RunConfig.from_mapping({**_canary_config("sgmm-ffa-lora").to_mapping(), **dict(map(parse_assignment, levers))})
     result = audit_federation(config, 100, tmp_path / "run", echo=lambda line: None)
     assert result.threat_model.startswith(f"known-sketch, noise at the {config.noise_placement}")
-    assert result.threat_model.endswith("against observers of the model (sample hidden)")
+    from fedlora.privacy.events import observer_label
+    assert result.threat_model.endswith(observer_label("model", "known-sketch", config.noise_placement))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert result.accountant_epsilon == pytest.approx(rows[-1]["epsilon"])  # the run's own ledger
     assert result.accountant_epsilon <= config.target_epsilon
@@ -324,9 +325,9 @@ def test_fedlora_audit_of_secure_aggregation_audits_the_sum_and_one_reply_alone(
     assert code == 0
     printed = json.loads(capsys.readouterr().out)
     assert "sum of N_min = 45 of 50" in printed["name"] and "one reply alone" in printed["one_reply"]["name"]
-    assert printed["threat_model"].endswith("against the server (sample known)")
+    assert printed["threat_model"].endswith("against the server (sample known, drawn as the protocol says)")
     assert printed["one_reply"]["threat_model"].endswith("against a server that breaks SecAgg+ (one reply alone, "
-                                                         "sample known)")
+                                                         "sample known, the target sampled every round)")
     assert printed["accountant_epsilon"] < printed["one_reply"]["accountant_epsilon"]
     assert printed["federation"] is None
 

@@ -76,8 +76,9 @@ def test_a_secure_aggregation_row_names_its_epsilon_against_the_server_as_the_ru
                              "epsilon_by_observer": {"model": 8.0, "server": math.inf}})} for run in runs}
     frontier.write_results(runs, done, "fashion_mnist")
     table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    # saved before 2026-11-29: the one-reply number assumed honest sampling, and is left out
     assert ("under secure aggregation; against observers of the model (sample hidden); 18.5 against the server "
-            "(sample known); 830 against a server that breaks SecAgg+ (one reply alone, sample known)) |") in table
+            "(sample known, drawn as the protocol says)) |") in table
     assert "noise at the server; against observers of the model (sample hidden)) |" in table
     # at a glance: a row per placement, the epsilon its column
     assert "| gm-ffa-lora | at the server | 0.800 (1) |\n| gm-ffa-lora | in shares under SecAgg+ | 0.800 (1) |" in table
@@ -315,3 +316,32 @@ def test_every_federation_run_of_the_privacy_audit_is_a_valid_config_at_today_s_
         config = federation_config(strategy, threat, 1e-5)
         placement = "client" if threat == "secret-sketch" else RunConfig().noise_placement
         assert (config.strategy, config.threat_model, config.noise_placement) == (strategy, threat, placement)
+
+
+def test_the_frontier_has_poisson_rows_in_the_fields_convention_and_a_runs_every_observer(tmp_path, monkeypatch):
+    """Rows with Poisson sampling (noise at the server, add/remove: the units other tools print), and a run saved
+    with today's labels shows every observer it names: the server, a client of the round, one reply alone."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+    from fedlora.privacy.events import observer_label
+
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    poisson = plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["poisson"], None, "fashion_mnist")
+    assert [(r["key"], r["config"].sampling, r["config"].noise_placement) for r in poisson] == [
+        ("frontier|gm-ffa-lora|poisson|8.0|50|0", "poisson", "server")]
+    secagg = plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["secagg"], None, "fashion_mnist")
+    model = f"known-sketch, noise in client shares under secure aggregation; {observer_label('model', 'x', 'secagg')}"
+    done = {poisson[0]["key"]: {"accuracy": [0.84] * 30, "noise_multiplier": 0.59, "bytes_up": [1024] * 30,
+                                "threat_model": "known-sketch, noise at the server; against observers of the model "
+                                                "(sample hidden)", "epsilon_by_observer": {"model": 8.0}},
+            secagg[0]["key"]: {"accuracy": [0.8] * 30, "noise_multiplier": 1.4, "bytes_up": [1024] * 30,
+                               "threat_model": model, "epsilon_by_observer": {"model": 8.0, "server": 18.5,
+                                                                              "one-reply": 1200.0,
+                                                                              "co-client": 19.0}}}
+    frontier.write_results(poisson + secagg, done, "fashion_mnist")
+    table = (tmp_path / "privacy_utility_fashion_mnist.md").read_text()
+    assert "| gm-ffa-lora | at the server, Poisson sampling (epsilon under add/remove) | 0.840 (1) |" in table
+    assert "(sample hidden); Poisson sampling, add/remove) |" in table
+    assert ("; 18.5 against the server (sample known, drawn as the protocol says); 1.2e+03 against a server that breaks SecAgg+ (one reply alone, "
+            "sample known, the target sampled every round); 19 against a client of the same round") in table

@@ -87,11 +87,21 @@ def _json(capsys, argv):
 
 
 def test_privacy_epsilon_of_a_noise_multiplier(capsys):
-    result = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
+    result = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
+                            "--noise-placement", "server"])
     for key in ("epsilon", "delta", "noise_multiplier", "threat_model", "sampling"):
         assert key in result
-    assert result["threat_model"].startswith("known-sketch, noise at the client;") and result["sampling"] == "fixed"
+    assert result["threat_model"].startswith("known-sketch, noise at the server;") and result["sampling"] == "fixed"
     assert result["epsilon"] == pytest.approx(3.028, abs=0.01)  # replace-one: sensitivity 2 tau
+    # noise at each client: the model carries the noise of N_min = 2 of the 4 replies (z sqrt(2)); the server one's
+    client = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
+    assert client["epsilon"] == pytest.approx(_json(capsys, [
+        "privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", str(1.5 * 2 ** 0.5), "--json",
+        "--noise-placement", "server"])["epsilon"], rel=1e-6)
+    assert client["observers"]["server"]["epsilon"] > result["epsilon"]
+    four = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
+                          "--min-replies", "4"])
+    assert four["epsilon"] < client["epsilon"]
 
 
 def test_privacy_calibrates_for_a_target(capsys):
@@ -170,7 +180,7 @@ def test_privacy_names_the_noise_placement_and_accounts_the_clip_count(capsys):
     client = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json"])
     server = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
                             "--noise-placement", "server"])
-    assert server["epsilon"] == client["epsilon"] and server["noise_placement"] == "server"
+    assert server["epsilon"] > client["epsilon"] and server["noise_placement"] == "server"  # N_min replies' noise
     assert "noise at the server" in server["summary"] and "noise at the client" in client["summary"]
     counted = _json(capsys, ["privacy", "--strategy", "gm-ffa-lora", "--noise-multiplier", "1.5", "--json",
                              "--noise-placement", "server", "--clip-count-stddev", "2"])
@@ -197,8 +207,10 @@ def test_set_takes_several_assignments_at_once_or_one_at_a_time(command):
     ("small_cohort", ["noise-multiplier=2.0", 'head="probe"']),
     ("small_cohort", ["noise-multiplier=2.0", 'head="frozen"', 'threat-model="secret-sketch"', "sketch-dim=16"]),
     ("small_cohort", ["noise-multiplier=2.0", 'threat-model="secret-sketch"', "sketch-dim=16"]),
-    ("quickstart", ['noise-placement="secagg"', 'strategy="gm-ffa-lora"', 'target-observer="server"']),
-    ("quickstart", ['noise-placement="client"', "clip-quantile=0.5", 'target-observer="server"']),
+    ("quickstart", ['noise-placement="secagg"', 'strategy="gm-ffa-lora"', 'target-observer="server"',
+                    'noise-source="os"']),
+    ("quickstart", ['noise-placement="client"', "clip-quantile=0.5", 'target-observer="server"', 'noise-source="os"']),
+    ("quickstart", ['noise-placement="client"', 'accountant="pld"']),
 ])
 def test_privacy_of_a_preset_is_the_runs_plan_for_every_observer(capsys, preset, sets):
     """`fedlora privacy --config` is the run's own accounting (noise_for, at the preset's shapes): every preset, every
@@ -269,10 +281,11 @@ def test_the_budget_line_names_whose_epsilon_it_limits(capsys, tmp_path):
     from fedlora.cli import _prepare
     from fedlora.config import load_config
 
-    config = load_config("small_cohort", ["noise-multiplier=2.0", "target-epsilon=6", 'target-observer="server"'])
+    config = load_config("small_cohort", ["noise-multiplier=2.0", "target-epsilon=6", 'target-observer="server"',
+                                          'noise-source="os"'])
     _prepare(Namespace(out=str(tmp_path / "run")), config, "run")
     budget = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("  budget:"))
-    assert "budget: epsilon = 6 (" in budget and "against the server (sample known)" in budget
+    assert "budget: epsilon = 6 (" in budget and "against the server (sample known, drawn as the protocol says)" in budget
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -410,3 +423,24 @@ def test_ledger_says_what_a_node_spent_against_the_server(capsys, tmp_path):
         assert main(["ledger", *argv]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
+
+
+def test_a_resumed_run_whose_ledger_holds_releases_accounted_otherwise_is_refused_in_one_line(tmp_path):
+    """A client-placement run checkpointed before noise at the client was accounted as the sum of the replies recorded
+    GaussianRelease(z); today's plan accounts GaussianRelease(z sqrt(N_min), N_min): refused before any work."""
+    from types import SimpleNamespace
+
+    from fedlora.cli import CLIError, _check_recorded_releases
+    from fedlora.config import load_config
+    from fedlora.experiment import noise_for, sampling_of
+    from fedlora.privacy import GaussianRelease, PrivacyLedger
+
+    config = load_config("small_cohort", ["noise-multiplier=2.0"])
+    plan = noise_for(config)
+    ledger = PrivacyLedger(config.delta, config.threat_model, placement="client")
+    ledger.record("lora", plan.phase_releases["lora"], sampling_of(config))
+    _check_recorded_releases(SimpleNamespace(ledger=ledger.to_dict()), plan, tmp_path)  # today's: continues
+    old = PrivacyLedger(config.delta, config.threat_model, placement="client")
+    old.record("lora", (GaussianRelease(2.0),), sampling_of(config))
+    with pytest.raises(CLIError, match="records the lora phase's rounds as another release than this fedlora accounts"):
+        _check_recorded_releases(SimpleNamespace(ledger=old.to_dict()), plan, tmp_path)

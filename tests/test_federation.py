@@ -454,7 +454,7 @@ def test_secure_aggregation_aggregates_what_noise_at_the_server_does(tmp_path, s
     rows = [json.loads(line) for line in (tmp_path / "secagg" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["replies"] == 3 and r["threat_model"].startswith("known-sketch, noise in client shares under secure "
                                                                   "aggregation") for r in rows)
-    assert all(set(r["epsilon_by_observer"]) == {"model", "server", "one-reply"} for r in rows)
+    assert all(set(r["epsilon_by_observer"]) == {"model", "server", "one-reply", "co-client"} for r in rows)
     assert all(not any(len(a) for a in r.content.array_records.values()) for r in received if
                r.metadata.message_type == "train")
     # and it writes what the server placement writes: the aggregate state, nothing per client
@@ -530,7 +530,7 @@ def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_s
     strategy = run(**{"noise-source": "os", "num-rounds": 1})
     assert strategy.rounds[1]["partitions"] == sampling_of(strategy.config).draw(np.random.default_rng(2 ** 70))
     assert strategy.rounds_done == 1 and "seeded" not in strategy.ledger.trust_model
-    assert set(strategy.ledger.reports()) == {"model", "server"}
+    assert set(strategy.ledger.reports()) == {"model", "server", "co-client"}
 
 
 def test_the_real_data_preset_learns_in_a_few_rounds(monkeypatch, tmp_path):
@@ -639,7 +639,7 @@ def test_a_progress_line_names_the_calibrated_epsilon_then_the_other_finite_ones
                            "model (sample hidden)", "epsilon_by_observer": {"model": 8.0, "server": 18.5}}
     line = format_progress(row, load_config(None))
     assert "epsilon 8.000 (known-sketch, noise in client shares under secure aggregation; against observers of the " \
-           "model (sample hidden)), 18.500 against the server (sample known)  1.0 s" in line
+           "model (sample hidden)), 18.500 against the server (sample known, drawn as the protocol says)  1.0 s" in line
     server = {**row, "epsilon_by_observer": {"model": 8.0, "server": float("inf")}}
     assert "against the server" not in format_progress(server, load_config(None))  # noise the server adds
 
@@ -762,8 +762,8 @@ def test_nodes_with_a_privacy_budget_refuse_the_round_that_would_pass_it(tmp_pat
     for node in range(1, 6):
         records = [json.loads(line) for line in (tmp_path / f"node{node}.jsonl").read_text().splitlines()]
         assert [(r["round"], r["release"]) for r in records] == [
-            (1, [{"type": "GaussianRelease", "noise_multiplier": 4.0}]),
-            (2, [{"type": "GaussianRelease", "noise_multiplier": 4.0}])]
+            (1, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}]),
+            (2, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}])]
     seeded = with_ledgers(100.0, **{"noise-source": "seeded"}, **{"out-dir": str(tmp_path / "seeded")})
     assert "drawn from the run seed" in seeded
     assert all(len((tmp_path / f"node{node}.jsonl").read_text().splitlines()) == 2 for node in range(1, 6))
@@ -804,29 +804,38 @@ def test_a_node_follows_only_the_paths_an_honest_server_uses(tmp_path):
     with pytest.raises(ValueError, match='A round under SecAgg\\+ for a run whose noise is not added in shares'):
         secure_train(msg, context(), 0.0)  # the stages' own step, for a run with noise at the client
     for key, value, message in [("noise-multiplier", float("nan"), "noise multipliers must be finite"),
-                                ("clip-norm", float("inf"), "clip norm must be finite and positive")]:
+                                ("clip-norm", float("inf"), "Clip norm must lie in"),
+                                ("clip-norm", 7.3e-44, "where a float32 message carries it")]:
         msg.content["config"][key] = value
         with pytest.raises(ValueError, match=message):
             train_round(msg, context(), 0.0)
         msg.content["config"][key] = 2.0
 
 
-def test_a_node_with_a_ledger_sends_a_diverged_update_as_noise_not_as_an_error(tmp_path):
-    """Whether training diverged is a fact about the data: a node with a ledger sends zeros, noised and counted,
-    where an error reply would tell the server unnoised."""
-    from fedlora.clients.rounds import _budget_guard
-    from fedlora.node import NodeSettings
+@pytest.mark.parametrize("message", ["update", "adapter"])
+def test_a_diverged_client_replies_with_no_change_privatized_not_an_error(message, caplog):
+    """Whether training diverged is a fact about the data, which an error reply would tell the server unnoised: every
+    client (with a ledger or not) sends the message it started from (an update of zero), clipped and noised like any
+    reply, and only the node's log says why."""
+    from fedlora.federation import TrainedClients
 
-    msg, config = _a_round_message(tmp_path)
-    protocol = Protocol(run_config_of(config), 2.0)
-    node = NodeSettings.from_node_config({"partition-id": 0, "num-partitions": 5,
-                                          "privacy-ledger": str(tmp_path / "ledger.jsonl"), "privacy-budget": 50})
-    guard = _budget_guard(msg, protocol, node)
-    finite = {"a": torch.ones(3), "b": torch.ones(2)}
-    assert guard(finite, protocol.mechanism) is finite
-    sent = guard({"a": torch.tensor([1.0, float("nan"), 2.0]), "b": torch.ones(2)}, protocol.mechanism)
-    assert all(torch.equal(t, torch.zeros_like(t)) for t in sent.values()) and set(sent) == {"a", "b"}
-    assert len(node.budget().records()) == 2
+    config = RunConfig.from_mapping({**SMALL, "message": message, "noise-multiplier": 2.0, "target-epsilon": 0,
+                                     "noise-source": "os"})
+    protocol = Protocol(config, 2.0)
+    start = protocol.client_message(protocol.build_model())
+    diverged = {name: t.clone() + 1.0 for name, t in start.items()}
+    next(iter(diverged.values())).view(-1)[0] = float("nan")
+    trained = TrainedClients([diverged, {n: t + 0.01 for n, t in start.items()}], start, [float("nan"), 0.5], 0.0)
+    with caplog.at_level("WARNING", logger="fedlora"):
+        replies = protocol.release_clients(trained, round_=1, noises=[None, None])
+    assert "diverged" in caplog.text
+    for reply in replies:
+        assert all(torch.isfinite(t).all() for t in reply.release.values())
+    # what the diverged client privatized: no change (the noise alone at z 2, which is far from the data's +1)
+    noiseless = Protocol(RunConfig.from_mapping({**SMALL, "message": message, "strategy": "ffa-lora"}), 0.0)
+    unchanged = noiseless.release_clients(TrainedClients([diverged], start, [0.0], 0.0), round_=1, noises=[None])
+    expected = {n: torch.zeros_like(t) for n, t in start.items()} if message == "update" else start
+    assert all(torch.equal(unchanged[0].release[n], expected[n]) for n in expected)
 
 
 def test_a_linear_probe_round_releases_to_a_server_at_the_probe_multiplier():

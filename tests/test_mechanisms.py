@@ -148,3 +148,48 @@ def test_noise_at_the_server_refuses_a_secret_sketch():
     with pytest.raises(ValueError, match="known-sketch"):
         sgmm_mechanism(sketch_dim=16, clip_norm=1.0, noise_multiplier=1.0, threat_model="secret-sketch",
                        placement="server")
+
+
+@pytest.mark.parametrize("clip_norm", [7.3e-44, 1e-40, 1e-30, 1e-3, 1.0])
+def test_a_clipped_float32_message_never_exceeds_its_clip_whatever_the_clip(clip_norm):
+    """Round-to-nearest cast of a float64 message clipped at a subnormal-range clip norm lifted its norm to 1.92
+    times the clip (7.3e-44, 10^4 entries): the cast now rounds toward zero, so no entry, and no norm, grows."""
+    message = {"w.lora_B": torch.ones(100, 100), "v.lora_B": torch.randn(50, 7, generator=torch.Generator().manual_seed(1))}
+    clipped = clip_message(message, clip_norm)
+    assert all(t.dtype == torch.float32 for t in clipped.values())
+    assert message_norm(clipped) <= clip_norm
+
+
+def test_clip_norms_and_noise_a_float_cannot_carry_are_refused_at_every_placement():
+    from fedlora.mechanisms import FLOAT_RANGE
+
+    for placement in ("client", "server", "secagg"):
+        for make in (lambda **k: gaussian_mechanism(**k), lambda **k: sgmm_mechanism(sketch_dim=8, **k)):
+            with pytest.raises(ValueError, match="where a float32 message carries it"):
+                make(clip_norm=7.3e-44, noise_multiplier=4.0, placement=placement)
+            with pytest.raises(ValueError, match="where a float32 message carries it"):
+                make(clip_norm=1.0, noise_multiplier=4.0, placement=placement).with_clip_norm(1e-31)
+            with pytest.raises(ValueError, match="noise's standard deviation"):
+                make(clip_norm=FLOAT_RANGE[0], noise_multiplier=0.5, placement=placement)
+
+
+@pytest.mark.parametrize("placement", ["client", "server", "secagg"])
+@pytest.mark.parametrize("make", [gaussian_mechanism, lambda **k: sgmm_mechanism(sketch_dim=16, **k)],
+                         ids=["gm", "sgmm"])
+def test_what_a_client_sends_is_bounded_by_the_clip_before_any_rounding_at_every_placement(placement, make):
+    """The clip that bounds the sensitivity is followed by the noise in float64 (noise at the client: what is
+    rounded is the noisy message, post-processing) or by a cast toward zero (noise added later, on the sum)."""
+    from fedlora.mechanisms import NoisePlacement
+
+    tau = 1e-30  # the smallest clip norm a run may use
+    mechanism = make(clip_norm=tau, noise_multiplier=2.0, placement=placement)
+    message = {n: t.float() for n, t in _message(scale=1.0).items()}
+    exact = mechanism.constrain(message, key=KEY, exact=True)
+    assert all(t.dtype == torch.float64 for t in exact.values()) and message_norm(exact) <= tau
+    sent = mechanism.privatize(message, key=KEY, noise=torch.Generator().manual_seed(5))
+    assert all(t.dtype == torch.float32 for t in sent.values())
+    if mechanism.placement is NoisePlacement.CLIENT:
+        noised = mechanism.add_noise(exact, torch.Generator().manual_seed(5))
+        assert all(torch.equal(sent[n], noised[n].float()) for n in sent)
+    else:
+        assert message_norm(sent) <= tau

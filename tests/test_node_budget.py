@@ -30,7 +30,7 @@ def test_replies_compose_as_gaussians_at_the_multipliers_the_node_used(tmp_path)
     assert budget.spent() == pytest.approx(_gaussian_epsilon(mu, 1e-5), rel=1e-6)
     records = budget.records()
     assert [r["run"] for r in records] == [7, 7, 7] and records[2]["release"] == [
-        {"type": "GaussianRelease", "noise_multiplier": 2.5}]
+        {"type": "GaussianRelease", "noise_multiplier": 2.5, "shares": 1}]
     # a clip bit beside the message: one more Gaussian in the same reply
     assert budget.spend((GaussianRelease(1.0), GaussianRelease(20.0))) > budget.spent(records)
 

@@ -14,6 +14,9 @@ from fedlora.secure_sum import SkellamSecureSum
 
 FIXED = SamplingScheme("fixed", 625, clients_per_round=4)
 MODEL = "against observers of the model (sample hidden)"
+# where each reply carries its own noise (at the client, or shares under secure aggregation)
+MODEL_NOT_CO_CLIENTS = ("against observers of the model who were in no round with the client (sample hidden, no "
+                        "client colluding)")
 POISSON = SamplingScheme("poisson", 625, rate=4 / 625)
 
 
@@ -143,10 +146,11 @@ def test_ledger_after_t_rounds_equals_the_accountant():
     assert ledger.rounds == 20
     assert ledger.epsilon == pytest.approx(epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch").epsilon)
     assert reports[-1].threat_model == \
-        "known-sketch, noise at the client; against observers of the model (sample hidden)"
+        "known-sketch, noise at the client; against observers of the model who were in no round with the client " \
+        "(sample hidden, no client colluding)"
     against_server = epsilon(_gm(1.5, FIXED, 20), delta=1e-5, threat_model="known-sketch", observer="server").epsilon
     by_observer = {o: r.epsilon for o, r in ledger.reports().items()}
-    assert by_observer == {"model": ledger.epsilon, "server": against_server}
+    assert by_observer == {"model": ledger.epsilon, "server": against_server, "co-client": against_server}
     assert against_server > ledger.epsilon
     restored = PrivacyLedger.from_dict(ledger.to_dict())
     assert restored == ledger and restored.reports() == ledger.reports()
@@ -239,7 +243,7 @@ def test_noise_at_the_server_has_the_client_epsilon_and_matches_dp_accounting(z)
     client = epsilon(_gm(z, sampling, 30), delta=1e-5, threat_model="known-sketch", placement="client", use_pld=False)
     server = epsilon(_gm(z, sampling, 30), delta=1e-5, threat_model="known-sketch", placement="server", use_pld=False)
     assert server.epsilon == client.epsilon
-    assert (client.threat_model, server.threat_model) == (f"known-sketch, noise at the client; {MODEL}",
+    assert (client.threat_model, server.threat_model) == (f"known-sketch, noise at the client; {MODEL_NOT_CO_CLIENTS}",
                                                           f"known-sketch, noise at the server; {MODEL}")
     acc = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.REPLACE_ONE)
     acc.compose(dp_event.SampledWithoutReplacementDpEvent(200, 20, dp_event.GaussianDpEvent(z / 2)), 30)
@@ -275,20 +279,23 @@ def test_secure_aggregation_has_the_server_placements_epsilon_when_n_min_replies
                      placement="secagg")
     server = epsilon(_gm(z, sampling, 10), delta=1e-5, threat_model="known-sketch", placement="server", use_pld=False)
     assert secure.epsilon >= server.epsilon and secure.epsilon == pytest.approx(server.epsilon, rel=1e-5)
-    assert secure.threat_model == f"known-sketch, noise in client shares under secure aggregation; {MODEL}"
+    assert secure.threat_model == ("known-sketch, noise in client shares under secure aggregation; "
+                                   f"{MODEL_NOT_CO_CLIENTS}")
     alone = epsilon([Phase("lora", (codec.message_release(),), sampling, 10)], delta=1e-5,
                     threat_model="known-sketch", placement="secagg")
     gaussian_alone = epsilon(_gm(z / 5, sampling, 10), delta=1e-5, threat_model="known-sketch", placement="server",
                              use_pld=False)
     assert alone.epsilon <= gaussian_alone.epsilon * (1 + 1e-3) and alone.epsilon > 10 * secure.epsilon
-    # who knows whose reply it holds (the server that broke SecAgg+): no amplification, at least the Gaussian's
-    # exact known-sample epsilon at z / sqrt(N_min) (its RDP conversion is loose at epsilons in the hundreds)
+    # who knows whose reply it holds (the server that broke SecAgg+, sampling its target every round): no
+    # amplification, at least the Gaussian's exact epsilon of ten replies at z / sqrt(N_min) (its RDP conversion is
+    # loose at epsilons in the hundreds)
+    from fedlora.privacy.accounting import known_sample_epsilon
     known = epsilon([Phase("lora", (codec.release(),), sampling, 10)], delta=1e-5, threat_model="known-sketch",
                     placement="secagg", observer="one-reply")
-    exact = epsilon(_gm(z / 5, sampling, 10), delta=1e-5, threat_model="known-sketch", placement="client",
-                    observer="server")
-    assert exact.epsilon <= known.epsilon <= 2 * exact.epsilon and known.epsilon >= alone.epsilon  # RDP: loose here
-    assert known.threat_model.endswith("against a server that breaks SecAgg+ (one reply alone, sample known)")
+    exact, _ = known_sample_epsilon(_gm(z / 5, sampling, 10), 1e-5, every_round=True)
+    assert exact <= known.epsilon <= 2 * exact and known.epsilon >= alone.epsilon  # RDP: loose here
+    assert known.threat_model.endswith("against a server that breaks SecAgg+ (one reply alone, sample known, the "
+                                       "target sampled every round)")
 
 
 def test_coarse_quantization_costs_privacy_and_poisson_is_refused():
@@ -335,7 +342,7 @@ def test_the_servers_epsilon_is_the_mixture_over_participations_computed_indepen
     for _ in range(40):
         lo, hi = (lo, (lo + hi) / 2) if delta_at((lo + hi) / 2) <= 1e-5 else ((lo + hi) / 2, hi)
     assert ours.epsilon == pytest.approx(hi, rel=1e-4) and ours.method == "known-sample exact"
-    assert ours.observer == "server" and ours.threat_model.endswith("against the server (sample known)")
+    assert ours.observer == "server" and ours.threat_model.endswith("against the server (sample known, drawn as the protocol says)")
     model = epsilon(_gm(z, sampling, rounds), delta=1e-5, threat_model="known-sketch")
     assert model.epsilon < ours.epsilon  # sampling amplifies against whoever does not know the sample
 
@@ -358,6 +365,8 @@ def test_against_the_server_noise_at_the_server_is_no_guarantee_and_a_derived_se
     sketched = _sgmm(2.0, 10, sampling, b=16, r=4)
     hidden = epsilon(sketched, delta=1e-5, threat_model="secret-sketch", observer="server")
     assert math.isfinite(hidden.epsilon) and hidden.method == "known-sample RDP"
+    seeded = epsilon(_gm(2.0, sampling, 10), delta=1e-5, threat_model="known-sketch", observer="server", seeded=True)
+    assert math.isinf(seeded.epsilon)  # the server holds the run seed
     derived = epsilon(sketched, delta=1e-5, threat_model="secret-sketch", observer="server", server_derives_sketch=True)
     assert math.isinf(derived.epsilon) and "the server derives R" in derived.threat_model
     model = epsilon(sketched, delta=1e-5, threat_model="secret-sketch", server_derives_sketch=True, seeded=True)
@@ -365,7 +374,7 @@ def test_against_the_server_noise_at_the_server_is_no_guarantee_and_a_derived_se
     with pytest.raises(ValueError, match="no epsilon holds against it"):
         calibrate(lambda z: _gm(z, sampling, 10), target_epsilon=8, delta=1e-5, threat_model="known-sketch",
                   placement="server", observer="server")
-    with pytest.raises(ValueError, match="secure aggregation only"):
+    with pytest.raises(ValueError, match="'one-reply' is not an observer that noise placement 'client' tells apart"):
         epsilon(_gm(2.0, sampling, 10), delta=1e-5, threat_model="known-sketch", observer="one-reply")
 
 
@@ -392,7 +401,8 @@ def test_every_label_names_its_observer():
         reports = ledger.reports()
         assert list(reports) == [o.value for o in observers(placement)]
         for observer, report in reports.items():
-            assert report.threat_model.endswith(OBSERVER_LABELS[observer]) and report.observer == observer
+            label = MODEL_NOT_CO_CLIENTS if observer == "model" and placement != "server" else OBSERVER_LABELS[observer]
+            assert report.threat_model.endswith(label) and report.observer == observer
 
 
 def test_the_other_observers_are_the_finite_epsilons_besides_the_calibrated_one():
@@ -413,7 +423,8 @@ def test_a_secret_sketch_epsilon_names_the_observers_of_sketches_alone():
 
     secret = epsilon(_sgmm(1.5, 10), delta=1e-5, threat_model="secret-sketch")
     assert secret.threat_model.endswith(SKETCHES_ONLY) and MODEL not in secret.threat_model
-    assert epsilon(_gm(1.5, FIXED, 10), delta=1e-5, threat_model="known-sketch").threat_model.endswith(MODEL)
+    assert epsilon(_gm(1.5, FIXED, 10), delta=1e-5, threat_model="known-sketch").threat_model.endswith(
+        MODEL_NOT_CO_CLIENTS)
     assert other_observers({"model": 1.0, "server": 9.0}, "server", "secret-sketch") == [(1.0, SKETCHES_ONLY)]
 
 
@@ -425,3 +436,143 @@ def test_a_draw_takes_each_client_with_probability_q(scheme):
     counts = np.bincount([c for d in draws for c in d], minlength=5)
     assert all(d == sorted(set(d)) for d in draws) and counts.min() > 130 and counts.max() < 230  # 180 expected each
     assert all(len(d) == 3 for d in draws) if scheme.kind.value == "fixed" else len({len(d) for d in draws}) > 2
+
+
+def _quadrature_known_sample_epsilon(z: float, q: float, rounds: int, delta: float, *, every_round=False) -> float:
+    """Epsilon against an observer who knows the sample, without fedlora's code: the hockey-stick divergence of
+    N(mu, 1) from N(0, 1) by numerical integration, mu = sqrt(k) 2 / z, averaged over k ~ Bin(T, q)."""
+    from scipy import integrate, optimize, stats
+
+    def hockey(eps: float, mu: float) -> float:
+        if mu == 0:
+            return 0.0
+        f = lambda x: max(stats.norm.pdf(x, mu) - math.exp(eps) * stats.norm.pdf(x), 0.0)  # noqa: E731
+        return integrate.quad(f, eps / mu + mu / 2, mu + 40, epsabs=1e-14, epsrel=1e-10, limit=200)[0]
+
+    weights = ({rounds: 1.0} if every_round else
+               {k: stats.binom.pmf(k, rounds, q) for k in range(rounds + 1) if stats.binom.pmf(k, rounds, q) > 1e-16})
+    total = lambda eps: sum(w * hockey(eps, math.sqrt(k) * 2 / z) for k, w in weights.items()) - delta  # noqa: E731
+    return optimize.brentq(total, 1e-6, 200, xtol=1e-9)
+
+
+@pytest.mark.parametrize("z, n, clients, rounds", [(1.4707, 25, 50, 10), (2.046, 2, 4, 10), (0.9, 10, 20, 30)])
+def test_a_client_of_the_round_sees_the_sum_less_its_own_noise_without_amplification(z, n, clients, rounds):
+    """Noise at each client: the model carries the noise of >= N_min replies (z sqrt(N_min)); a client of the round
+    knows its own share, so against it the sum's other N_min - 1 shares count, sample known (quadrature)."""
+    sampling = SamplingScheme("fixed", 10 * clients, clients_per_round=clients)
+    summed = [Phase("lora", (GaussianRelease(z * math.sqrt(n), n),), sampling, rounds)]
+    got = epsilon(summed, delta=1e-5, threat_model="known-sketch", placement="client", observer="co-client")
+    expected = _quadrature_known_sample_epsilon(z * math.sqrt(max(n - 1, 1)), 0.1, rounds, 1e-5)
+    assert got.epsilon == pytest.approx(expected, rel=1e-4) and got.method == "known-sample exact"
+    assert "no other client colluding" in got.threat_model
+    # the server sees each reply: one client's noise, as before
+    server = epsilon(summed, delta=1e-5, threat_model="known-sketch", placement="client", observer="server")
+    assert server.epsilon == pytest.approx(_quadrature_known_sample_epsilon(z, 0.1, rounds, 1e-5), rel=1e-4)
+
+
+@pytest.mark.parametrize("z, n", [(1.4707, 25), (0.3, 25), (2.046, 2)])
+def test_the_sum_of_client_noise_is_accounted_as_dp_accounting_accounts_a_gaussian_of_its_variance(z, n):
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    got = epsilon([Phase("lora", (GaussianRelease(z * math.sqrt(n), n),), sampling, 10)], delta=1e-5,
+                  threat_model="known-sketch", placement="client", use_pld=False)
+    accountant = rdp.RdpAccountant(list(ORDERS), rdp.NeighborRel.REPLACE_ONE)
+    accountant.compose(dp_event.SampledWithoutReplacementDpEvent(500, 50, dp_event.GaussianDpEvent(
+        z * math.sqrt(n) / 2)), 10)
+    assert got.epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-6)
+
+
+def test_a_run_with_noise_at_each_client_accounts_its_required_replies_noise():
+    from fedlora.config import RunConfig
+    from fedlora.federation import Protocol
+    from fedlora.mechanisms import gaussian_mechanism
+
+    config = RunConfig.from_mapping({"strategy": "gm-ffa-lora", "noise-placement": "client", "noise-multiplier": 0.5,
+                                     "target-epsilon": 0, "clients-per-round": 20, "min-replies": 12})
+    protocol = Protocol(config, 0.5)
+    release = protocol.release_of({"w": np.zeros(3)}, gaussian_mechanism(clip_norm=1.0, noise_multiplier=0.5))
+    assert release == (GaussianRelease(0.5 * math.sqrt(12), 12),) and release[0].one_reply() == GaussianRelease(0.5)
+    # FlexLoRA's adapter form: the model is the SVD of the mean of products of separately noised factors, no function
+    # of the replies' sum: one reply's noise is what is accounted; its update form is a mean of product changes
+    for message, shares in (("adapter", 1), ("update", 12)):
+        flex = Protocol(RunConfig.from_mapping({**config.to_mapping(), "strategy": "gm-flexlora", "message": message}),
+                        0.5)
+        assert flex.release_of({"w": np.zeros(3)}, gaussian_mechanism(clip_norm=1.0, noise_multiplier=0.5))[0] \
+            == GaussianRelease(0.5 * math.sqrt(shares), shares)
+
+
+def test_a_server_that_breaks_secagg_may_take_its_target_every_round():
+    """It deviates from the protocol, so it may sample as it likes: one reply alone, in every round (not k ~ Bin)."""
+    from fedlora.privacy.accounting import known_sample_epsilon
+
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    share = SkellamSecureSum(1.5, 1.0, clients=50, min_replies=45, dim=100).release()
+    phases = [Phase("lora", (share,), sampling, 10)]
+    got = epsilon(phases, delta=1e-5, threat_model="known-sketch", placement="secagg", observer="one-reply")
+    alone = [Phase("lora", (share.one_reply(),), sampling, 10)]
+    assert got.epsilon == pytest.approx(known_sample_epsilon(alone, 1e-5, every_round=True)[0], rel=1e-9)
+    assert got.epsilon > known_sample_epsilon(alone, 1e-5)[0] and "the target sampled every round" in got.threat_model
+    # independently: ten rounds of the share's RDP curve, converted by dp-accounting
+    from fedlora.privacy.curves import skellam_rdp
+    one = share.one_reply()
+    curve = 10 * skellam_rdp(ORDERS, l2_sensitivity=2 * one.norm_bound, variance=one.variance, dim=one.dim)
+    assert got.epsilon == pytest.approx(rdp.compute_epsilon(ORDERS, curve, 1e-5)[0], rel=0.02)
+
+
+def test_observers_of_secure_aggregation_need_its_shares_and_seeded_noise_holds_against_nobody_with_the_seed():
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    with pytest.raises(ValueError, match="needs each release as a SkellamRelease"):
+        epsilon(_gm(1.5, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="secagg",
+                observer="one-reply")
+    with pytest.raises(ValueError, match="is not an observer that noise placement 'server' tells apart"):
+        epsilon(_gm(1.5, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="server",
+                observer="co-client")
+    for observer in ("server", "co-client"):
+        seeded = epsilon(_gm(1.5, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="client",
+                         observer=observer, seeded=True)
+        assert math.isinf(seeded.epsilon)
+    assert math.isfinite(epsilon(_gm(1.5, sampling, 3), delta=1e-5, threat_model="known-sketch", placement="client",
+                                 seeded=True).epsilon)  # the model's observers do not hold the seed
+
+
+def test_a_secret_sketch_epsilon_against_the_server_says_r_must_stay_hidden_and_none_holds_against_a_client():
+    server = epsilon(_sgmm(1.5, 10), delta=1e-5, threat_model="secret-sketch", observer="server")
+    assert server.threat_model.endswith("(sample known, drawn as the protocol says, while R stays hidden from it)")
+    assert math.isinf(epsilon(_sgmm(1.5, 10), delta=1e-5, threat_model="secret-sketch", observer="co-client").epsilon)
+
+
+# Reference values of the composed dominating pair at delta 1e-5 (an independent script by a reviewer, discretization
+# 1e-4): the quickstart's, small_cohort's and the paper's settings.
+@pytest.mark.parametrize("z, clients, per_round, rounds, reference", [
+    (1.4707, 500, 50, 10, 5.55), (2.046, 20, 4, 10, 4.91), (1.895, 625, 4, 400, 0.978)])
+def test_the_fixed_sampling_pld_lies_between_a_lower_bound_that_occurs_and_rdp(z, clients, per_round, rounds,
+                                                                                reference):
+    """A data set where every other client equals the replaced one's substitute makes every round the pair A vs B
+    (A = (1-q) N(0) + q N(2), B = N(0)) in either order: dp-accounting's optimistic PLD of that pair composed is a
+    lower bound that occurs; RDP is the upper bound fedlora used alone."""
+    from dp_accounting.pld import privacy_loss_distribution
+
+    from fedlora.privacy.accounting import fixed_sampling_pld_epsilon
+
+    sampling = SamplingScheme("fixed", clients, clients_per_round=per_round)
+    phases = _gm(z, sampling, rounds)
+    pld = fixed_sampling_pld_epsilon(phases, 1e-5)
+    lower = privacy_loss_distribution.from_gaussian_mechanism(
+        z, sensitivity=2.0, sampling_prob=per_round / clients, pessimistic_estimate=False).self_compose(
+        rounds).get_epsilon_for_delta(1e-5)
+    with_rdp = epsilon(phases, delta=1e-5, threat_model="known-sketch", placement="server")
+    assert lower <= pld < with_rdp.epsilon and pld == pytest.approx(reference, abs=0.01)
+    tighter = epsilon(phases, delta=1e-5, threat_model="known-sketch", placement="server", fixed_sampling_pld=True)
+    assert tighter.epsilon == pytest.approx(pld) and tighter.method == "PLD (fixed-size sampling)"
+
+
+@pytest.mark.parametrize("z, rounds", [(1.4707, 10), (0.8, 50), (3.0, 400)])
+def test_the_other_convention_is_dp_accountings_poisson_pld(z, rounds):
+    from fedlora.privacy.accounting import other_convention
+
+    sampling = SamplingScheme("fixed", 500, clients_per_round=50)
+    got = other_convention(_gm(z, sampling, rounds), 1e-5)
+    accountant = pld_privacy_accountant.PLDAccountant()
+    accountant.compose(dp_event.PoissonSampledDpEvent(0.1, dp_event.GaussianDpEvent(z)), rounds)
+    assert got.epsilon == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
+    assert "Poisson sampling, add/remove neighbours; not this run's guarantee" in got.threat_model
+    assert other_convention(_sgmm(1.5, 10), 1e-5) is None  # the secret-sketch bound needs fixed-size sampling

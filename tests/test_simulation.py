@@ -104,8 +104,8 @@ def test_kill_9_mid_run_then_resume_ends_as_the_uninterrupted_run(tmp_path):
     output, _ = resumed.communicate(timeout=400)
     assert resumed.returncode == 0, output
     assert f"resuming after round {saved.rounds_done} of 4, epsilon " in output
-    assert ("(known-sketch, noise at the client, seeded noise (a simulation); against observers of the model (sample "
-            "hidden)) spent") in output
+    assert ("(known-sketch, noise at the client, seeded noise (a simulation); against observers of the model who were "
+            "in no round with the client (sample hidden, no client colluding)) spent") in output
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     expected = [json.loads(line) for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3, 4]  # no round counted twice

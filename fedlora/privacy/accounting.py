@@ -44,7 +44,7 @@ from scipy import optimize, special, stats
 
 from fedlora.privacy.curves import sketched_rdp, skellam_rdp
 from fedlora.privacy.events import (GaussianRelease, NonPrivateRelease, Observer, Phase, Release, Sampling,
-                                    SamplingScheme, SkellamRelease, SketchedRelease, trust_label)
+                                    SamplingScheme, SkellamRelease, SketchedRelease, observers, trust_label)
 
 # Renyi orders: dense where small epsilons are optimal, sparse in the tail.
 ORDERS = np.array([1 + x / 20 for x in range(1, 60)] + [4 + x / 4 for x in range(28)]
@@ -125,38 +125,50 @@ def _round_curve(release: Sequence[Release], s: float) -> Callable[[float], floa
 
 
 def _amplified_rdp(release: Sequence[Release], sampling: SamplingScheme, orders: np.ndarray) -> np.ndarray:
-    """Per-round RDP of a non-Gaussian release (secret sketch, Skellam) after sampling without replacement (WBK19
-    Thm 9, autodp)."""
+    """Per-round RDP of a non-Gaussian release (secret sketch, Skellam) after sampling: without replacement, WBK19
+    Thm 9; Poisson (add/remove), Zhu and Wang 2019's general upper bound (Thm 6); both through autodp."""
     from autodp.autodp_core import Mechanism as AutodpMechanism
     from autodp.transformer_zoo import AmplificationBySampling
 
+    poisson = sampling.kind is Sampling.POISSON
     base = AutodpMechanism()
-    base.name, base.params, base.neighboring = "sketched", {"release": 1}, "replace_one"
+    base.name, base.params = "sketched", {"release": 1}
+    base.neighboring = "add_remove" if poisson else "replace_one"
     base.propagate_updates(_round_curve(release, _sensitivity(sampling)), "RDP")
     with np.errstate(all="ignore"):  # autodp's log-sum-exp meets the curve's +inf at high orders
-        amplified = AmplificationBySampling(PoissonSampling=False).amplify(base, sampling.q, improved_bound_flag=False)
+        amplified = AmplificationBySampling(PoissonSampling=poisson).amplify(base, sampling.q, improved_bound_flag=False)
         values = np.array([amplified.RenyiDP(a) for a in orders], dtype=float)
     return np.where(np.isnan(values), np.inf, values)  # autodp gives NaN where the base curve is infinite
 
 
-def phase_rdp(phase: Phase, orders: np.ndarray = ORDERS) -> np.ndarray:
-    """Total RDP of a phase's rounds at ``orders``: identical rounds compose linearly in RDP."""
+def phase_rdp(phase: Phase, orders: np.ndarray = ORDERS, *, allow_poisson_skellam: bool = False) -> np.ndarray:
+    """Total RDP of a phase's rounds at ``orders``: identical rounds compose linearly in RDP.
+    ``allow_poisson_skellam``: account a Skellam release under Poisson sampling as if its shares were fixed (only for
+    ``other_convention``'s comparison: a run cannot do it)."""
     if phase.rounds == 0:
         return np.zeros_like(orders)
-    return phase.rounds * _round_rdp(phase.release, phase.sampling, tuple(orders))
+    return phase.rounds * _round_rdp(phase.release, phase.sampling, tuple(orders), allow_poisson_skellam)
 
 
 @lru_cache(maxsize=256)
-def _round_rdp(release: tuple[Release, ...], sampling: SamplingScheme, orders: tuple[float, ...]) -> np.ndarray:
+def _round_rdp(release: tuple[Release, ...], sampling: SamplingScheme, orders: tuple[float, ...],
+               allow_poisson_skellam: bool = False) -> np.ndarray:
     """RDP of one round (cached: a run's ledger asks for the same round every round)."""
     orders = np.asarray(orders)
     if any(isinstance(part, NonPrivateRelease) or part.noise_multiplier == 0 for part in release):
         return np.full_like(orders, np.inf)
     if _all_gaussian(release):
+        from absl import logging as absl_logging
+
         accountant = rdp.RdpAccountant(list(orders), _relation(sampling))
-        accountant.compose(gaussian_event(release, sampling), 1)
+        verbosity = absl_logging.get_verbosity()
+        absl_logging.set_verbosity(absl_logging.ERROR)  # Poisson at small z: "excluding this order" (sound), per order
+        try:
+            accountant.compose(gaussian_event(release, sampling), 1)
+        finally:
+            absl_logging.set_verbosity(verbosity)
         return np.asarray(accountant._rdp, dtype=float)  # dp-accounting keeps the composed RDP here
-    if sampling.kind is Sampling.POISSON:
+    if sampling.kind is Sampling.POISSON and not allow_poisson_skellam:
         if any(isinstance(part, SkellamRelease) for part in release):
             raise ValueError("Secure aggregation's accounting supports fixed-size sampling only: with Poisson "
                              "sampling the number of noise shares in the sum changes with the participants.")
@@ -212,13 +224,18 @@ def _solve_epsilon(delta_of: Callable[[float], float], delta: float) -> float:
                                  rtol=1e-10))
 
 
-def known_sample_epsilon(phases: Sequence[Phase], delta: float) -> tuple[float, str]:
+def known_sample_epsilon(phases: Sequence[Phase], delta: float, *, every_round: bool = False) -> tuple[float, str]:
     """Epsilon against an observer who knows the rounds the client took part in (no amplification), and the
-    method: exact for Gaussian releases, the RDP conversion per participation count otherwise."""
+    method: exact for Gaussian releases, the RDP conversion per participation count otherwise. ``every_round``: the
+    observer chose the sample and took the client in every round (a server that does not follow the protocol),
+    not k ~ Bin(T, q)."""
     phases = [p for p in phases if p.rounds > 0]
     if any(isinstance(part, NonPrivateRelease) or part.noise_multiplier == 0 for p in phases for part in p.release):
         return math.inf, "none"
-    counts, probs = _participation(phases)
+    if every_round:
+        counts, probs = np.array([[float(p.rounds) for p in phases]]).reshape(1, len(phases)), np.ones(1)
+    else:
+        counts, probs = _participation(phases)
     s = REPLACE_ONE_SENSITIVITY
     if all(_all_gaussian(p.release) for p in phases):
         mu2 = np.array([s * s * sum(part.noise_multiplier ** -2 for part in p.release) for p in phases])
@@ -243,6 +260,82 @@ def _pld_epsilon(phases: Sequence[Phase], delta: float) -> float | None:
             return None
         accountant.compose(event, phase.rounds)
     return float(accountant.get_epsilon(delta))
+
+
+PLD_DISCRETIZATION = 1e-4  # dp-accounting's own default for the privacy loss's grid
+# The PLD is tried where RDP gives less: past it no one relies on the number, and the PLD's grid (its losses' range
+# over 1e-4) grows with the noise's smallness until it does not fit in memory (z = 1e-4: 5e11 points)
+PLD_MAX_EPSILON = 100.0
+
+
+@lru_cache(maxsize=64)
+def _fixed_sampling_pld(noise_multiplier: float, q: float):
+    """The PLD of one round of a Gaussian of multiplier z under fixed-size sampling without replacement at rate q,
+    replace-one neighbours: Dong, Roth and Su's C_q(G_{2/z}) (Gaussian Differential Privacy, JRSS-B 2022, Thm 4.2,
+    whose subsampling draws a fixed-size subset and whose neighbours differ in one individual), the symmetric pair
+    whose privacy profile is, at every epsilon, the larger of the two mixtures' A = (1-q) N(0, z^2) + q N(2, z^2)
+    against B = N(0, z^2) and B against A (replacing a client moves the sum by up to twice the clip). Its hockey
+    sticks come from dp-accounting's subsampled-Gaussian privacy losses (remove and add, at sensitivity 2); the
+    pessimistic connect-the-dots discretization (Doroshenko et al. 2022) gives a PLD that dominates the pair, and
+    dominating pairs compose (Dong, Roth and Su Thm 3.2; Zhu, Dong and Wang 2022)."""
+    from dp_accounting.pld import pld_pmf
+    from dp_accounting.pld.privacy_loss_distribution import PrivacyLossDistribution
+    from dp_accounting.pld.privacy_loss_mechanism import AdjacencyType, GaussianPrivacyLoss
+
+    pair = [GaussianPrivacyLoss(noise_multiplier, sensitivity=REPLACE_ONE_SENSITIVITY, sampling_prob=q,
+                                adjacency_type=adjacency) for adjacency in (AdjacencyType.REMOVE, AdjacencyType.ADD)]
+    reach = max(abs(b) for loss in pair for b in (loss.connect_dots_bounds().epsilon_upper,
+                                                  loss.connect_dots_bounds().epsilon_lower))
+    top = math.ceil(reach / PLD_DISCRETIZATION)
+    grid = np.arange(-top, top + 1) * PLD_DISCRETIZATION
+    deltas = np.maximum(*(np.asarray(loss.get_delta_for_epsilon(grid), dtype=float) for loss in pair))
+    return PrivacyLossDistribution(pld_pmf.create_pmf_pessimistic_connect_dots_fixed_gap(
+        PLD_DISCRETIZATION, -top, top, deltas))
+
+
+def fixed_sampling_pld_epsilon(phases: Sequence[Phase], delta: float) -> float | None:
+    """Epsilon of Gaussian phases under fixed-size sampling (replace-one) from the composed PLD of
+    ``_fixed_sampling_pld``; None where a phase is not Gaussian or not fixed-size."""
+    composed = None
+    for phase in phases:
+        if phase.rounds == 0:
+            continue
+        if phase.sampling.kind is not Sampling.FIXED or not _all_gaussian(phase.release):
+            return None
+        z = sum(part.noise_multiplier ** -2 for part in phase.release) ** -0.5
+        pld = _fixed_sampling_pld(float(z), phase.sampling.q).self_compose(phase.rounds)
+        composed = pld if composed is None else composed.compose(pld)
+    return None if composed is None else float(composed.get_epsilon_for_delta(delta))
+
+
+def other_convention(phases: Sequence[Phase], delta: float) -> PrivacyReport | None:
+    """What the same noise gives, against the model's observers, under the other common convention: Poisson sampling
+    at the same rate with add/remove neighbours (Opacus, TF Privacy, pfl-research) for a fixed-size run, fixed-size
+    sampling with replace-one for a Poisson run. Not the run's guarantee: a number to compare tools by. Gaussian
+    releases: what ``epsilon`` gives them (Poisson: dp-accounting's PLD and RDP; fixed-size: RDP, the proven PLD
+    and the known-sample bound, the tightest); Skellam: RDP, amplified by autodp; None for a secret sketch, whose
+    bound needs fixed-size sampling."""
+    if any(isinstance(part, SketchedRelease) for p in phases for part in p.release):
+        return None
+    swapped = []
+    for p in phases:
+        s = p.sampling
+        other = (SamplingScheme(Sampling.POISSON, s.num_clients, rate=s.q) if s.kind is Sampling.FIXED else
+                 SamplingScheme(Sampling.FIXED, s.num_clients, clients_per_round=max(1, round(s.q * s.num_clients))))
+        swapped.append(dataclasses.replace(p, sampling=other))
+    kind = swapped[0].sampling.kind
+    if all(_all_gaussian(p.release) for p in swapped):  # the tightest sound number this accountant has for it
+        best = epsilon(swapped, delta=delta, threat_model="known-sketch", placement="server", fixed_sampling_pld=True)
+        eps, method, order = best.epsilon, best.method, best.order
+    else:  # Skellam: its curve amplified by the other sampler's general theorem
+        total = sum((phase_rdp(p, allow_poisson_skellam=True) for p in swapped), np.zeros_like(ORDERS))
+        if np.all(np.isinf(total)):
+            return None
+        (eps, order), method = rdp.compute_epsilon(ORDERS, total, delta), "RDP"
+    convention = ("Poisson sampling, add/remove neighbours" if kind is Sampling.POISSON
+                  else "fixed-size sampling, replace-one neighbours")
+    return PrivacyReport(float(eps), delta, f"the field's other convention ({convention}; not this run's guarantee)",
+                         kind.value, method, order)
 
 
 def _check_threat_model(phases: Sequence[Phase], threat_model: str) -> None:
@@ -273,14 +366,34 @@ def _check_phases(phases: Sequence[Phase], allow_unsound_per_message: bool) -> N
                                  f"the release is accounted for {part.clients_per_round}: that bound is unsound.")
 
 
+def _shared_noise(part: Release) -> bool:
+    """Whether a release describes its noise as shares of the replies' (what one reply or a client of the round
+    sees of it follows)."""
+    return isinstance(part, (GaussianRelease, SkellamRelease))
+
+
+def _sees_through(phases: Sequence[Phase], observer: Observer, placement: str, *, seeded: bool,
+                  server_derives_sketch: bool) -> bool:
+    """Whether ``observer`` (not the model's) sees a release without noise that protects it: the server sees every
+    message before its own noise; whoever holds the run seed (the server, and every client it is sent to) removes
+    seeded noise; whoever knows R removes the secret-sketch bound (the clients always, the server where it derives
+    R)."""
+    sketched = any(isinstance(part, SketchedRelease) for p in phases for part in p.release)
+    return (placement == "server" or seeded or (sketched and server_derives_sketch)
+            or (sketched and observer is Observer.CO_CLIENT))
+
+
 def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placement: str = "client",
             observer: Observer | str = Observer.MODEL, seeded: bool = False, server_derives_sketch: bool = False,
-            use_pld: bool = True, allow_unsound_per_message: bool = False) -> PrivacyReport:
+            use_pld: bool = True, fixed_sampling_pld: bool = False,
+            allow_unsound_per_message: bool = False) -> PrivacyReport:
     """The client-level (epsilon, delta) of all ``phases`` composed against ``observer``, labelled with the threat
     model, where the noise was added, whether the noise was seeded (a simulation) and the observer.
 
     ``server_derives_sketch``: a secret sketch whose R the server derives (sketch-secret = "run-seed"): the
     secret-sketch bound then holds against no observer who knows R, the server included (epsilon = inf there).
+    ``fixed_sampling_pld``: under fixed-size sampling, also the PLD of a proven dominating pair
+    (``fixed_sampling_pld_epsilon``), tighter than RDP (accountant = "pld").
     ``allow_unsound_per_message`` lets a secret-sketch release be accounted per message although its
     sketch is shared (the paper's analysis): only for showing the paper's numbers, labelled UNSOUND.
     """
@@ -289,8 +402,13 @@ def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placeme
     _check_placement(phases, placement)
     _check_phases(phases, allow_unsound_per_message)
     observer = Observer(observer)
-    if observer is Observer.ONE_REPLY and placement != "secagg":
-        raise ValueError("One reply alone is an observer of secure aggregation only (noise-placement = \"secagg\").")
+    if observer not in observers(placement):
+        raise ValueError(f"'{observer.value}' is not an observer that noise placement '{placement}' tells apart; "
+                         f"choose one of {', '.join(o.value for o in observers(placement))}.")
+    if placement == "secagg" and observer is not Observer.MODEL and not all(
+            isinstance(part, SkellamRelease) for p in phases for part in p.release):
+        raise ValueError(f"Under secure aggregation the '{observer.value}' observer needs each release as a "
+                         "SkellamRelease (its noise shares): a Gaussian release does not say what one reply carries.")
     unsound = any(isinstance(part, SketchedRelease) and part.clients_per_round < (p.sampling.clients_per_round or 1)
                   for p in phases for part in p.release)
     label = trust_label(threat_model, placement, observer, seeded=seeded,
@@ -300,13 +418,14 @@ def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placeme
     sampling = "+".join(sorted({p.sampling.kind.value for p in phases})) or "none"
     report = partial(PrivacyReport, delta=delta, threat_model=label, sampling=sampling, observer=observer.value)
     if observer is not Observer.MODEL:
-        sketched = any(isinstance(part, SketchedRelease) for p in phases for part in p.release)
-        if placement == "server" or (sketched and server_derives_sketch):
-            return report(math.inf, method="none")  # it sees each message before the noise, or knows R
-        if observer is Observer.ONE_REPLY:
-            phases = [dataclasses.replace(p, release=tuple(part.one_reply() if isinstance(part, SkellamRelease)
-                                                           else part for part in p.release)) for p in phases]
-        eps, method = known_sample_epsilon(phases, delta)
+        if _sees_through(phases, observer, placement, seeded=seeded, server_derives_sketch=server_derives_sketch):
+            return report(math.inf, method="none")
+        view = {Observer.SERVER: lambda part: part.one_reply() if placement == "client" else part,
+                Observer.ONE_REPLY: lambda part: part.one_reply(),
+                Observer.CO_CLIENT: lambda part: part.without_one_share()}[observer]
+        phases = [dataclasses.replace(p, release=tuple(view(part) if _shared_noise(part) else part
+                                                       for part in p.release)) for p in phases]
+        eps, method = known_sample_epsilon(phases, delta, every_round=observer is Observer.ONE_REPLY)
         return report(eps, method=method)
     total = sum((phase_rdp(p) for p in phases), np.zeros_like(ORDERS))
     if np.any(np.isnan(total)) or np.any(total < 0):
@@ -315,10 +434,16 @@ def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placeme
         return report(math.inf, method="none")
     eps, order = rdp.compute_epsilon(ORDERS, total, delta)
     best = report(float(eps), method="RDP", order=float(order))
+    use_pld = use_pld and eps < PLD_MAX_EPSILON
+    fixed_sampling_pld = fixed_sampling_pld and eps < PLD_MAX_EPSILON
     if use_pld and eps > 0:
         pld_eps = _pld_epsilon(phases, delta)
         if pld_eps is not None and pld_eps < best.epsilon:
             best = report(pld_eps, method="PLD")
+    if fixed_sampling_pld and eps > 0:
+        fixed_eps = fixed_sampling_pld_epsilon(phases, delta)
+        if fixed_eps is not None and fixed_eps < best.epsilon:
+            best = report(fixed_eps, method="PLD (fixed-size sampling)")
     if use_pld and eps > 0 and all(p.sampling.kind is Sampling.FIXED for p in phases):
         known, method = known_sample_epsilon(phases, delta)  # replace-one both: it bounds the model's view too
         if known < best.epsilon:

@@ -26,40 +26,60 @@ class Observer(str, Enum):
 
     MODEL = "model"  # sees what the server releases (every round's model), not who took part
     SERVER = "server"  # draws the sample: knows the rounds each client took part in, and sees what it is sent
-    ONE_REPLY = "one-reply"  # secure aggregation: a server that breaks SecAgg+ holds one reply alone, and knows whose
+    ONE_REPLY = "one-reply"  # secure aggregation: a server that breaks SecAgg+ holds one reply alone, and knows whose;
+    # it does not follow the protocol, so it may also sample its target every round
+    CO_CLIENT = "co-client"  # a client of the same round: knows its own noise and (under SecAgg+) who else is summed
 
 
 OBSERVER_LABELS = {
     Observer.MODEL: "against observers of the model (sample hidden)",
-    Observer.SERVER: "against the server (sample known)",
-    Observer.ONE_REPLY: "against a server that breaks SecAgg+ (one reply alone, sample known)",
+    Observer.SERVER: "against the server (sample known, drawn as the protocol says)",
+    Observer.ONE_REPLY: ("against a server that breaks SecAgg+ (one reply alone, sample known, the target sampled "
+                         "every round)"),
+    Observer.CO_CLIENT: ("against a client of the same round (sample known, its own noise removed; no other client "
+                         "colluding)"),
 }
+# Where every reply carries noise (at the client, or shares under SecAgg+), the model's noise is the sum of the
+# replies': a client of a round with the target knows its own share, so the model's number holds against the others.
+MODEL_NOT_CO_CLIENTS = ("against observers of the model who were in no round with the client (sample hidden, no "
+                        "client colluding)")
+R_HIDDEN = ", while R stays hidden from it"  # the secret-sketch bound, against anyone but the model's observers
 # The secret-sketch bound covers the sketched releases alone: every client holds R, and a model de-sketched with R
 # leaks its round's messages as a Gaussian mechanism does (fedlora/privacy/shared_sketch_bound.md).
 SKETCHES_ONLY = ("against observers of the sketched releases only (sample and R hidden: not the clients, not "
                  "whoever holds a de-sketched model)")
 
 
-def observer_label(observer: Observer | str, threat_model: str = "known-sketch") -> str:
-    """Whom an epsilon of ``threat_model`` against ``observer`` holds against, in words."""
+def observer_label(observer: Observer | str, threat_model: str = "known-sketch", placement: str = "server") -> str:
+    """Whom an epsilon of ``threat_model`` against ``observer`` holds against, in words, where the noise is added at
+    ``placement``."""
     observer = Observer(observer)
     if observer is Observer.MODEL and threat_model == "secret-sketch":
         return SKETCHES_ONLY
+    if observer is Observer.MODEL and placement in ("client", "secagg"):
+        return MODEL_NOT_CO_CLIENTS
+    if threat_model == "secret-sketch":
+        return OBSERVER_LABELS[observer][:-1] + R_HIDDEN + ")"
     return OBSERVER_LABELS[observer]
 
 
 def other_observers(epsilon_by_observer: dict[str, float], calibrated: Observer | str | None,
-                    threat_model: str = "known-sketch") -> list[tuple[float, str]]:
+                    threat_model: str = "known-sketch", placement: str = "server") -> list[tuple[float, str]]:
     """The finite epsilons, with their labels, against the observers besides the one a run was calibrated for (an
     infinite one, e.g. the server placement's against the server, is left to the placement's name)."""
-    return [(value, observer_label(observer, threat_model)) for observer, value in epsilon_by_observer.items()
+    return [(value, observer_label(observer, threat_model, placement)) for observer, value in epsilon_by_observer.items()
             if observer != calibrated and math.isfinite(value)]
 
 
 def observers(placement: str) -> tuple[Observer, ...]:
-    """The observers a noise placement tells apart: secure aggregation adds a server that breaks the protocol."""
+    """The observers a noise placement tells apart. Where every reply carries noise (at the client, or shares under
+    secure aggregation), a client of the round, who knows its own, sees less noise than the model's other
+    observers; secure aggregation adds a server that breaks the protocol. With noise at the server a client of the
+    round knows nothing the model's observers' guarantee does not allow (its own message, that it took part)."""
     if placement == "secagg":
-        return Observer.MODEL, Observer.SERVER, Observer.ONE_REPLY
+        return Observer.MODEL, Observer.SERVER, Observer.ONE_REPLY, Observer.CO_CLIENT
+    if placement == "client":
+        return Observer.MODEL, Observer.SERVER, Observer.CO_CLIENT
     return Observer.MODEL, Observer.SERVER
 
 
@@ -74,15 +94,33 @@ def trust_label(threat_model: str, placement: str, observer: Observer | str | No
     if seeded:
         label += ", seeded noise (a simulation)"  # whoever holds the run seed removes it
     if observer is not None:
-        label += f"; {observer_label(observer, threat_model)}"
+        label += f"; {observer_label(observer, threat_model, placement)}"
     return label
 
 
 @dataclass(frozen=True)
 class GaussianRelease:
-    """A Gaussian mechanism on the whole clipped message (GM, or a sketch whose R the adversary knows)."""
+    """A Gaussian mechanism on the whole clipped message (GM, or a sketch whose R the adversary knows).
+
+    ``noise_multiplier`` is the noise the model's observers see. Where each of at least ``shares`` replies adds its
+    own noise of multiplier z (noise at the client, summed by the server), that is z sqrt(shares)."""
 
     noise_multiplier: float
+    shares: int = 1
+
+    def one_reply(self) -> GaussianRelease:
+        """One reply's own noise: z / sqrt(shares)."""
+        return GaussianRelease(self.noise_multiplier / self.shares ** 0.5)
+
+    def without_one_share(self) -> GaussianRelease:
+        """What a client of the round sees of the others' noise, its own known: the sum of at least two replies
+        (it and the target) less its own share."""
+        return GaussianRelease(self.noise_multiplier * (max(self.shares - 1, 1) / self.shares) ** 0.5)
+
+
+def sum_of_replies(part: GaussianRelease, shares: int) -> GaussianRelease:
+    """The sum of ``shares`` replies, each the Gaussian release ``part`` of its own noise."""
+    return GaussianRelease(part.noise_multiplier * shares ** 0.5, shares)
 
 
 @dataclass(frozen=True)
@@ -111,6 +149,11 @@ class SkellamRelease:
         """One client's reply alone: its own noise share, variance / N_min (z / sqrt(N_min))."""
         return SkellamRelease(self.noise_multiplier / self.shares ** 0.5, self.norm_bound, self.variance / self.shares,
                               self.dim)
+
+    def without_one_share(self) -> SkellamRelease:
+        """What a client of the round sees of the sum's noise, its own share known: (N_min - 1) / N_min of it."""
+        kept = max(self.shares - 1, 1) / self.shares
+        return SkellamRelease(self.noise_multiplier * kept ** 0.5, self.norm_bound, self.variance * kept, self.dim)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ class PrivacyLedger:
     target_observer: str = Observer.MODEL.value  # whose epsilon the budget limits
     seeded: bool = False  # noise drawn from the run seed (a simulation): said in every label
     server_derives_sketch: bool = False  # secret-sketch with R from the run seed: not secret from the server
+    fixed_sampling_pld: bool = False  # accountant = "pld": the proven PLD of fixed-size sampling beside RDP
 
     @property
     def trust_model(self) -> str:
@@ -42,7 +43,7 @@ class PrivacyLedger:
     def _epsilon(self, phases: list[Phase], observer: Observer | str | None) -> PrivacyReport:
         return epsilon(phases, delta=self.delta, threat_model=self.threat_model, placement=self.placement,
                        observer=observer or self.target_observer, seeded=self.seeded,
-                       server_derives_sketch=self.server_derives_sketch)
+                       server_derives_sketch=self.server_derives_sketch, fixed_sampling_pld=self.fixed_sampling_pld)
 
     def _with_release(self, name: str, release: tuple[Release, ...], sampling: SamplingScheme) -> list[Phase]:
         """The phases with one more release of phase ``name`` (a new phase if the last one is another)."""
@@ -92,7 +93,7 @@ class PrivacyLedger:
         """JSON-ready state, for checkpoints."""
         return {"delta": self.delta, "threat_model": self.threat_model, "target_epsilon": self.target_epsilon,
                 "placement": self.placement, "target_observer": self.target_observer, "seeded": self.seeded,
-                "server_derives_sketch": self.server_derives_sketch,
+                "server_derives_sketch": self.server_derives_sketch, "fixed_sampling_pld": self.fixed_sampling_pld,
                 "phases": [{"name": p.name, "rounds": p.rounds,
                             "sampling": {**dataclasses.asdict(p.sampling), "kind": p.sampling.kind.value},
                             "release": [release_to_dict(r) for r in p.release]}
@@ -105,4 +106,5 @@ class PrivacyLedger:
                         SamplingScheme(**p["sampling"]), p["rounds"]) for p in state["phases"]]
         return cls(state["delta"], state["threat_model"], state["target_epsilon"], phases,
                    state.get("placement", "client"), state.get("target_observer", Observer.MODEL.value),
-                   state.get("seeded", False), state.get("server_derives_sketch", False))
+                   state.get("seeded", False), state.get("server_derives_sketch", False),
+                   state.get("fixed_sampling_pld", False))

@@ -65,10 +65,14 @@ class NodeBudget:
 
     def spent(self, records: list[dict] | None = None) -> float:
         """Epsilon against the server of the replies ``records`` (default: the ledger's)."""
+        return self.accounting(records)[0]
+
+    def accounting(self, records: list[dict] | None = None) -> tuple[float, str]:
+        """``spent`` and how it was computed: exact for Gaussian replies, the RDP conversion for Skellam shares."""
         records = self.records() if records is None else records
         counts = Counter(tuple(release_from_dict(part) for part in r["release"]) for r in records)
         phases = [Phase(f"replies {i}", release, EVERY_TIME, k) for i, (release, k) in enumerate(counts.items())]
-        return known_sample_epsilon(phases, self.delta)[0] if phases else 0.0
+        return known_sample_epsilon(phases, self.delta) if phases else (0.0, "none")
 
     def spend(self, reply: tuple[Release, ...], *, why_unprotected: str | None = None, **label) -> float:
         """Records what one reply releases, ``reply`` (with ``label``: run, round...), and returns the epsilon spent
