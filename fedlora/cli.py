@@ -503,12 +503,12 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
     _output_dir(out_dir, "the run directory" if resuming else "--out")
     check_before_start(config)
     plan = noise_for(config)  # raises for an unreachable target epsilon
-    if resuming and (out_dir / STATE_FILE).is_file():
-        _check_recorded_releases(Checkpoint.load(out_dir), plan, out_dir)
     if used is not None and (plan.noise_multiplier, plan.probe_noise_multiplier) != tuple(used):
         raise CLIError(f"The config in '{out_dir}' calibrates noise multiplier {plan.noise_multiplier:.6g} where the "
                        f"run used {used[0]:.6g}: config.json was changed, or this fedlora calibrates differently; "
                        "restore it, or start a new run.")
+    if resuming and (out_dir / STATE_FILE).is_file():
+        _check_recorded_releases(Checkpoint.load(out_dir), plan, out_dir)
     protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     out_dir = _claim(out_dir, command, default_name=default_name and not resuming)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "

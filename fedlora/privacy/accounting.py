@@ -263,9 +263,14 @@ def _pld_epsilon(phases: Sequence[Phase], delta: float) -> float | None:
 
 
 PLD_DISCRETIZATION = 1e-4  # dp-accounting's own default for the privacy loss's grid
-# The PLD is tried where RDP gives less: past it no one relies on the number, and the PLD's grid (its losses' range
-# over 1e-4) grows with the noise's smallness until it does not fit in memory (z = 1e-4: 5e11 points)
-PLD_MAX_EPSILON = 100.0
+# The PLD is tried for noise multipliers from this one up: its grid (the privacy loss's range over 1e-4) grows as
+# 1 / z^2, about 2e6 points at 0.1, and no longer fits in memory at 1e-4 (5e11 points); below it RDP alone
+PLD_MIN_NOISE = 0.1
+
+
+def _pld_fits(phases: Sequence[Phase]) -> bool:
+    return all(part.noise_multiplier >= PLD_MIN_NOISE for p in phases for part in p.release
+               if isinstance(part, GaussianRelease))
 
 
 @lru_cache(maxsize=64)
@@ -434,8 +439,7 @@ def epsilon(phases: Sequence[Phase], *, delta: float, threat_model: str, placeme
         return report(math.inf, method="none")
     eps, order = rdp.compute_epsilon(ORDERS, total, delta)
     best = report(float(eps), method="RDP", order=float(order))
-    use_pld = use_pld and eps < PLD_MAX_EPSILON
-    fixed_sampling_pld = fixed_sampling_pld and eps < PLD_MAX_EPSILON
+    use_pld, fixed_sampling_pld = (use_pld, fixed_sampling_pld) if _pld_fits(phases) else (False, False)
     if use_pld and eps > 0:
         pld_eps = _pld_epsilon(phases, delta)
         if pld_eps is not None and pld_eps < best.epsilon:
