@@ -1,11 +1,13 @@
 """Client training speed against client-batch: the clients of a message trained one at a time (M = 1) or M at a
 time in one forward and backward per local step (fedlora.training.local_train_clients), through the product's
-own path (Protocol.train_clients, then release_clients, on a GPU on a thread of the host while the next group
+own path (ClientSide.train_clients, then release_clients, on a GPU on a thread of the host while the next group
 trains, as a message's groups are: load the global state, K local steps, clip, sketch, noise), with the data
 decoded once onto the device and transformed there (fedlora.data.DeviceImages) at the preset's precision (auto:
 bf16-backbone on a GPU, fp32 on a CPU) or --precision's; a row names the precision that ran.
 
     python -m benchmarks.client_throughput                          # CPU: the quickstart's client (tiny ViT, 32 px)
+    python -m benchmarks.client_throughput --preset bible --batches 1,4   # CPU: the text preset's (tiny GPT-2)
+    python -m benchmarks.client_throughput --preset bible --model gpt2-random --batches 1,16   # GPU: GPT-2 small
     python -m benchmarks.client_throughput --batches 1,4 --threads 2
     python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --baseline   # GPU
     python -m benchmarks.client_throughput --preset cifar100_private --model vit-b16-random --profile 16
@@ -54,28 +56,42 @@ def host_images(dataset, image_size: int):
 def _setup(preset: str, model: str | None, batch: int, threads: int, path: str, precision: str | None = None):
     """The preset's client on this machine's device: its config, device, image size, model, and a function that
     trains one group of ``batch`` clients through the product's path (as release ``release``)."""
+    import numpy as np
     import torch
 
     from fedlora.config import load_config
     from fedlora.data import make_synthetic_cifar, to_torch
     from fedlora.experiment import noise_for
-    from fedlora.federation import Protocol, TrainedClients, overlapped
+    from fedlora.client_round import TrainedClients, overlapped
+    from fedlora.federation import Protocol
     from fedlora.lora import get_adapters
     from fedlora.models import model_spec
+    from fedlora.text import to_device_tokens
     from fedlora.training import select_device
 
     torch.set_num_threads(threads)
     precision = "fp32" if path == "host" else precision
-    overrides = ['dataset="synthetic"', "num-classes=100", *([f'model="{model}"'] if model else []),
+    text = model_spec(model or load_config(preset).model).task == "causal-lm"
+    if text and path == "host":
+        raise ValueError("--baseline is the image path before DeviceImages; a language model's rows have none.")
+    data_keys = ['dataset="bible-kjv"', 'partitioner="natural"', 'head="frozen"'] if text else \
+        ['dataset="synthetic"', "num-classes=100"]
+    overrides = [*data_keys, *([f'model="{model}"'] if model else []),
                  *([f'precision="{precision}"'] if precision else [])]
     config = load_config(preset, overrides)
     protocol = Protocol(config, noise_for(config).noise_multiplier)
     device = select_device()
     net = protocol.build_model(config.rank, device)
     base, state = get_adapters(net), protocol.initial_state(net)
-    size = model_spec(config.model).image_size
-    raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR-100
-    data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
+    if text:  # 64 blocks of random tokens a client: the speed does not depend on which tokens
+        size = config.seq_len
+        vocab = net.get_input_embeddings().num_embeddings
+        data = [to_device_tokens([np.random.default_rng(p).integers(1, vocab, 64 * size)], size, 0, device=device)
+                for p in range(batch)]
+    else:
+        size = model_spec(config.model).image_size
+        raw = [make_synthetic_cifar(64, num_classes=config.classes, seed=p) for p in range(batch)]  # 32 px, as CIFAR
+        data = [host_images(r, size) if path == "host" else to_torch(r, size, train=True, device=device) for r in raw]
 
     def groups(releases: list[int], profiled: bool = False) -> None:
         """One group of the clients per release, trained and released as a message's groups are (``overlapped``:
@@ -96,24 +112,28 @@ def _setup(preset: str, model: str | None, batch: int, threads: int, path: str, 
 
 def model_alone(net, config, device, size: int, clients: int, steps: int = 3) -> float:
     """Seconds of one local step of the model alone for a group of ``clients``: the forward and backward of their
-    clients x batch random images through the same stacked trainable linears at the config's precision (``net``
-    stored as it stores it), with no data, optimizer step, clipping or sketching; what the product's path would
-    reach if it added nothing."""
+    clients x batch random examples (images of ``size`` px, or blocks of ``size`` tokens) through the same stacked
+    trainable linears at the config's precision (``net`` stored as it stores it), with no data, optimizer step,
+    clipping or sketching; what the product's path would reach if it added nothing."""
     import torch
-    import torch.nn.functional as F
 
-    from fedlora.models import logits
     from fedlora.training import autocast, compute_dtype, stacked_linears
 
-    images = torch.randn(clients * config.batch_size, 3, size, size, device=device)
-    labels = torch.randint(config.classes, (len(images),), device=device)
+    examples = clients * config.batch_size
+    if config.task.name == "causal-lm":
+        batch = {"input_ids": torch.randint(1, net.get_input_embeddings().num_embeddings, (examples, size),
+                                            device=device),
+                 "valid": torch.ones(examples, size, dtype=torch.bool, device=device)}
+    else:
+        batch = {"pixel_values": torch.randn(examples, 3, size, size, device=device),
+                 "labels": torch.randint(config.classes, (examples,), device=device)}
     dtype = compute_dtype(config.precision, device)
     net.train()
     with stacked_linears(net, clients):
         def step() -> None:
             with autocast(device, dtype):
-                out = logits(net, images)
-            F.cross_entropy(out.float(), labels).backward()
+                loss = config.task.loss(net, batch)
+            loss.backward()
 
         step()  # warm-up
         if device.type == "cuda":
@@ -154,8 +174,10 @@ def measure(preset: str, model: str | None, batch: int, clients: int, threads: i
     trained = groups * batch
     peak = (torch.cuda.max_memory_allocated() if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # CPU: the process's peak RSS
+    examples = trained * config.local_steps * config.batch_size / seconds
+    tokens = {"tokens-per-second": examples * config.seq_len} if config.task.name == "causal-lm" else {}
     return {**row, "clients": trained, "seconds": seconds, "seconds-per-client": seconds / trained,
-            "images-per-second": trained * config.local_steps * config.batch_size / seconds,
+            "images-per-second": examples, **tokens,
             "peak-memory-gib": peak / 2 ** 30,
             "peak-memory-is": "device memory allocated" if device.type == "cuda" else "process peak RSS"}
 
@@ -288,7 +310,9 @@ def main() -> None:
         if row.get("out-of-memory"):
             print(f"{path:>6} M = {batch:>3}: out of the device's memory", flush=True)
             continue
-        print(f"{path:>6} M = {batch:>3}: {row['images-per-second']:7.1f} images/s, {row['seconds-per-client']:.3f} s "
+        tokens = f" ({row['tokens-per-second']:.0f} tokens/s)" if "tokens-per-second" in row else ""
+        print(f"{path:>6} M = {batch:>3}: {row['images-per-second']:7.1f} examples/s{tokens}, "
+              f"{row['seconds-per-client']:.3f} s "
               f"a client, peak {row['peak-memory-gib']:.2f} GiB", flush=True)
 
     def key(r: dict) -> tuple:
@@ -302,28 +326,35 @@ def main() -> None:
     write_table(table)
 
 
+def _tokens(row: dict) -> str:
+    return f"{row['tokens-per-second']:,.0f}" if "tokens-per-second" in row else "-"
+
+
 def write_table(rows: list[dict]) -> None:
     lines = ["# Client training against client-batch", "",
              "One client's round through the product's path (load the global state, K local steps, clip, sketch, "
              "noise), M clients trained together in one forward and backward per local step; M = 1 is one at a time. "
              "Path: " + "; ".join(f"{k}: {v}" for k, v in PATHS.items()) + " (rows before the path column: the "
-             "per-image CPU transforms, fp32). Images a second = clients x K x batch / seconds; speed-up against the "
+             "per-image CPU transforms, fp32). Examples a second (images, or blocks of seq-len tokens for a language "
+             "model) = clients x K x batch / seconds; tokens a second, blocks x seq-len; speed-up against the "
              "first row of the same device, model and threads (the path before, where measured). Peak memory: the "
              "device's allocated memory on a GPU, the process's peak RSS on a CPU.", "",
-             "| device | model (px) | threads | K, batch, rank | path | precision | client-batch M | images / s | "
-             "s a client | speed-up | peak memory (GiB) | commit |", "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---|"]
+             "| device | model (px, or tokens a block) | threads | K, batch, rank | path | precision | client-batch M | "
+             "examples / s | tokens / s | s a client | speed-up | peak memory (GiB) | commit |",
+             "|---|---|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         base = next(b for b in rows if (b["device"], b["model"], b["threads"]) == (r["device"], r["model"], r["threads"]))
         path = r.get("path", "host")
         if r.get("out-of-memory"):
             lines.append(f"| {r['device']} | {r['model']} ({r['image-size']}) | {r['threads']} | {r['local-steps']}, "
                          f"{r['batch-size']}, {r['rank']} | {path} | {r['precision']} | {r['client-batch']} | out of "
-                         f"memory | - | - | - | {r['commit']} |")
+                         f"memory | - | - | - | - | {r['commit']} |")
             continue
         speed = f"{r['images-per-second'] / base['images-per-second']:.2f}x" if base.get("images-per-second") else "-"
         lines.append(f"| {r['device']} | {r['model']} ({r['image-size']}) | {r['threads']} | {r['local-steps']}, "
                      f"{r['batch-size']}, {r['rank']} | {path} | {r.get('precision', 'fp32')} | {r['client-batch']} | "
-                     f"{r['images-per-second']:.1f} | {r['seconds-per-client']:.3f} | {speed} | "
+                     f"{r['images-per-second']:.1f} | {_tokens(r)} | "
+                     f"{r['seconds-per-client']:.3f} | {speed} | "
                      f"{r['peak-memory-gib']:.2f} | {r['commit']} |")
     machines = sorted({r["machine"] for r in rows})
     commands = sorted({r["command"] for r in rows})

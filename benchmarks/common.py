@@ -20,6 +20,15 @@ def command_line(module: str) -> str:
     return " ".join(["python -m", module, *map(shlex.quote, sys.argv[1:])])
 
 
+def step_counts(text: str) -> list[int] | None:
+    """Increasing positive step counts from "300,600,1200", or None if ``text`` is not that."""
+    try:
+        steps = [int(s) for s in text.split(",")]
+    except ValueError:
+        return None
+    return steps if steps and steps[0] >= 1 and steps == sorted(set(steps)) else None
+
+
 def provenance(module: str) -> list[str]:
     """The lines under a result that say what produced it: the command, the commit and the machine (Markdown line
     breaks)."""

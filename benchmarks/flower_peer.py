@@ -36,8 +36,9 @@ from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.config import OUT_DIR_KEY, RunConfig, load_config, run_config_of
-from fedlora.experiment import test_images
-from fedlora.federation import DENSE, GlobalState, Protocol
+from fedlora.experiment import test_data
+from fedlora.federation import Protocol
+from fedlora.round_plan import DENSE, GlobalState
 from fedlora.training import evaluate, select_device
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +92,7 @@ def peer_main(grid: Grid, context: Context) -> None:
     protocol = trainer(config)
     model = protocol.build_model(device=select_device())
     base = protocol.initial_state(model)
-    test = test_images(config)
+    test = test_data(config)
     startup = {"process": began - psutil.Process().create_time(), "model and test data": time.time() - began}
     metrics, last = out_dir / "metrics.jsonl", [time.time()]
 

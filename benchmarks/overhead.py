@@ -27,7 +27,8 @@ from benchmarks.common import RESULTS, command_line, machine, revision
 from fedlora.cli import add_overrides
 from fedlora.config import RunConfig, load_config
 from fedlora.data import load_partition, load_split, make_partitioner, to_torch
-from fedlora.federation import Protocol, derive_seed
+from fedlora.federation import Protocol
+from fedlora.round_plan import derive_seed
 from fedlora.launch import run_simulation
 from fedlora.models import model_spec
 from fedlora.training import local_train

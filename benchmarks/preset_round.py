@@ -21,7 +21,7 @@ import torch
 from benchmarks.common import machine, run_inprocess
 from fedlora.cli import add_overrides
 from fedlora.config import load_config
-from fedlora.federation import Protocol
+from fedlora.client_round import ClientSide
 from fedlora.training import clients_at_once, resolved_precision, select_device
 
 PRESET = Path(__file__).resolve().parent.parent / "configs" / "cifar100_private.toml"
@@ -45,7 +45,7 @@ def main() -> None:
     print(machine(), f"client-batch {clients_at_once(config.client_batch, device)}, precision "
           f"{resolved_precision(config.precision, device)}", flush=True)
     started, trained = time.time(), [0]
-    train_clients = Protocol.train_clients
+    train_clients = ClientSide.train_clients
 
     def counted(self, model, base, datasets, *a, **kw):
         rounds = train_clients(self, model, base, datasets, *a, **kw)
@@ -56,7 +56,7 @@ def main() -> None:
                   flush=True)
         return rounds
 
-    Protocol.train_clients = counted
+    ClientSide.train_clients = counted
     with tempfile.TemporaryDirectory() as tmp:
         rows = run_inprocess(config, Path(tmp) / "run", echo=lambda line: print(line, flush=True))
     for row in rows:

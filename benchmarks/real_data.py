@@ -26,7 +26,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS, command_line, machine, revision
+from benchmarks.common import RESULTS, command_line, machine, revision, step_counts
 from fedlora.config import load_config
 from fedlora.data import fashion_mnist_unavailable_reason, load_fashion_mnist, to_torch
 from fedlora.lora import build_lora_model
@@ -68,11 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="fine-tuning steps at batch 64, increasing: every recipe trains for the first count, the "
                              "preset's on the real-data backbone continues to each later one (default 600,1200,2400)")
     args = parser.parse_args(argv)
-    try:
-        steps = [int(s) for s in args.steps.split(",")]
-    except ValueError:
-        steps = []
-    if not steps or steps[0] < 1 or steps != sorted(set(steps)):
+    steps = step_counts(args.steps)
+    if steps is None:
         print(f"real_data: error: --steps takes increasing positive step counts (e.g. 600,1200), got {args.steps!r}.",
               file=sys.stderr)
         return 2

@@ -29,7 +29,8 @@ from benchmarks.common import RESULTS, provenance, run_inprocess
 from fedlora.checkpoint import Checkpoint
 from fedlora.config import load_config
 from fedlora.experiment import RunRecorder
-from fedlora.federation import GlobalState, Protocol
+from fedlora.federation import Protocol
+from fedlora.round_plan import GlobalState
 from fedlora.secure_sum import SkellamSecureSum
 
 Z = 1.470703125  # the quickstart's calibrated z at epsilon 8 (both placements)
@@ -135,7 +136,7 @@ def _spread_run(epsilon: float, seed: int, draw: int, variance_factor: float, th
     times ``variance_factor``; in a worker process, which runs several: the patches are undone after each."""
     import math
 
-    from fedlora.federation import derive_seed
+    from fedlora.round_plan import derive_seed
     from fedlora.mechanisms import Mechanism
 
     torch.set_num_threads(threads)

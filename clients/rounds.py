@@ -22,12 +22,10 @@ from flwr.client.mod import secaggplus_mod
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
 from fedlora.config import RunConfig, run_config_of
-from fedlora.data import DeviceImages, load_image_dir, load_partition, load_split, make_partitioner, to_torch
-from fedlora.federation import (ASSIGNED, PACKED, GlobalState, Protocol, TrainedClients, num_bytes, overlapped,
-                                packed_key)
+from fedlora.client_round import ClientSide, TrainedClients, overlapped
+from fedlora.round_plan import ASSIGNED, PACKED, GlobalState, num_bytes, packed_key
 from fedlora.lora import get_adapters
 from fedlora.mechanisms import CLIP_MARGIN, Mechanism, NoisePlacement, check_carried
-from fedlora.models import model_spec
 from fedlora.node import NodeSettings, read_sketch_seed
 from fedlora.training import clients_at_once, select_device
 
@@ -35,46 +33,37 @@ from fedlora.training import clients_at_once, select_device
 @lru_cache(maxsize=4)
 def _model(config: RunConfig, rank: int):
     """The client model of one rank, built once per process (same seeded backbone on every client)."""
-    model = Protocol(config, 0.0).build_model(rank, select_device())
+    model = ClientSide(config, 0.0).build_model(rank, select_device())
     return model, get_adapters(model)
 
 
-@lru_cache(maxsize=2)
-def _partitioner(config: RunConfig, num_partitions: int):
-    train = load_split(config, "train")
-    return make_partitioner(config.partitioner, num_partitions=num_partitions, dataset=train,
-                            alpha=config.dirichlet_alpha, seed=config.seed)
-
-
 DATA_KEPT_BYTES = 1 << 30  # decoded partitions a process keeps for the rounds that sample them again
-_decoded: OrderedDict[tuple, DeviceImages] = OrderedDict()  # least recently used first
+_decoded: OrderedDict[tuple, object] = OrderedDict()  # least recently used first
 
 
-def _local_data(config: RunConfig, node: NodeSettings) -> DeviceImages:
-    """The node's training data: its own images (data-dir), else its partition of the run's dataset, decoded once
-    onto this process's device; the last DATA_KEPT_BYTES of them are kept (CIFAR-100's 32 px partitions take 3 KiB
-    an image; images stored at 224 px, 147 KiB)."""
+def _local_data(config: RunConfig, node: NodeSettings):
+    """The node's training data as its task feeds the model (its own data-dir, else its partition of the run's
+    dataset), put once onto this process's device; the last DATA_KEPT_BYTES of them are kept (CIFAR-100's 32 px
+    partitions take 3 KiB an image; images stored at 224 px, 147 KiB; a token, 9 bytes)."""
     key = (config, node)
     if key in _decoded:
         _decoded.move_to_end(key)
         return _decoded[key]
-    data = (load_image_dir(node.data_dir, num_classes=config.classes) if node.data_dir
-            else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
-    _decoded[key] = images = to_torch(data, model_spec(config.model).image_size, train=True, device=select_device())
+    _decoded[key] = data = config.task.train_data(config, node, select_device())
     kept = sum(d.nbytes for d in _decoded.values())
     while kept > DATA_KEPT_BYTES and len(_decoded) > 1:
         kept -= _decoded.popitem(last=False)[1].nbytes
-    return images
+    return data
 
 
-def round_setup(msg: Message, context: Context) -> tuple[RunConfig, Protocol, NodeSettings]:
+def round_setup(msg: Message, context: Context) -> tuple[RunConfig, ClientSide, NodeSettings]:
     """The run config, the round's protocol (its noise and sketch seed) and this node's settings."""
     config = run_config_of(context.run_config)
     round_config = msg.content["config"]
     noise = [float(round_config[key]) for key in ("noise-multiplier", "probe-noise-multiplier")]
     if not all(math.isfinite(z) and z >= 0 for z in noise):
         raise ValueError(f"The round's noise multipliers must be finite and non-negative, got {noise}.")
-    protocol = Protocol(config, *noise)
+    protocol = ClientSide(config, *noise)
     node = NodeSettings.from_node_config(context.node_config)
     if node.privacy_ledger and (ASSIGNED in round_config or PACKED in round_config):
         raise ValueError("A node that keeps a privacy ledger (privacy-ledger) trains only its own client: the server "
@@ -154,7 +143,7 @@ def train_round(msg: Message, context: Context, startup_seconds: float) -> Messa
     return Message(RecordDict(records), reply_to=msg)
 
 
-def client_groups(partitions: list[int], protocol: Protocol, size: int) -> list[list[int]]:
+def client_groups(partitions: list[int], protocol: ClientSide, size: int) -> list[list[int]]:
     """The clients of a message in groups that train together: of one rank each (a group shares one model),
     at most ``size`` (client-batch) each, in the message's order within a rank."""
     by_rank: dict[int, list[int]] = {}
@@ -174,7 +163,7 @@ def secure_train(msg: Message, context: Context, startup_seconds: float) -> Mess
     return encoded_reply(msg, protocol, node.partition_id, release, metrics)
 
 
-def encoded_reply(msg: Message, protocol: Protocol, partition_id: int, release: dict, metrics: dict) -> Message:
+def encoded_reply(msg: Message, protocol: ClientSide, partition_id: int, release: dict, metrics: dict) -> Message:
     """A client's constrained ``release`` encoded with its noise share, as the reply secaggplus_mod masks."""
     started = time.perf_counter()
     round_config = msg.content["config"]
@@ -197,7 +186,7 @@ def secure_reply(msg: Message, encoded: dict, metrics: dict) -> Message:
     }), reply_to=msg)
 
 
-def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: NodeSettings, config: RunConfig,
+def _client_round(msg: Message, protocol: ClientSide, state: GlobalState, node: NodeSettings, config: RunConfig,
                   startup_seconds: float) -> tuple[dict, dict, float | None]:
     """One node's own client's round: its release, telemetry and clip bit."""
     guard = _budget_guard(msg, protocol, node)  # before any work: it may refuse the round
@@ -205,7 +194,7 @@ def _client_round(msg: Message, protocol: Protocol, state: GlobalState, node: No
     return _release_clients(msg, protocol, [node.partition_id], trained, startup_seconds, _ray_node(), guard)[0]
 
 
-def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Callable[[dict, Mechanism], dict] | None:
+def _budget_guard(msg: Message, protocol: ClientSide, node: NodeSettings) -> Callable[[dict, Mechanism], dict] | None:
     """Where the node keeps a privacy ledger: records what each reply releases to the server before it leaves, and
     refuses a reply past the node's budget (fedlora.privacy.node_budget); a reply that would carry no noise of the
     node's own is refused here, before training."""
@@ -227,7 +216,7 @@ def _budget_guard(msg: Message, protocol: Protocol, node: NodeSettings) -> Calla
     return spend
 
 
-def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
+def _train_clients(msg: Message, protocol: ClientSide, state: GlobalState,
                    partition_ids: list[int], datasets: list) -> TrainedClients:
     """Clients of one rank trained together, their messages on the host."""
     model, base = _model(protocol.config, protocol.client_rank(partition_ids[0]))
@@ -236,7 +225,7 @@ def _train_clients(msg: Message, protocol: Protocol, state: GlobalState,
                                   release=int(round_config["release"]), partition_ids=partition_ids)
 
 
-def _release_clients(msg: Message, protocol: Protocol, partition_ids: list[int],
+def _release_clients(msg: Message, protocol: ClientSide, partition_ids: list[int],
                      trained: TrainedClients, startup_seconds: float, where: dict[str, int],
                      guard: Callable[[dict, Mechanism], dict] | None = None) -> list[tuple[dict, dict, float | None]]:
     """Each trained client's release, telemetry and clip bit."""

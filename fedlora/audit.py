@@ -444,7 +444,7 @@ def model_view(protocol, state, template: dict[str, torch.Tensor], entries: list
     de-sketched with its release's R (as clients do), B A per layer for FlexLoRA (whose factors the SVD
     redistribution rotates), the entries themselves otherwise. What clients download, not the server's dense
     products (FlexLoRA updates): a canary's product change is seen through the top-r factors of the products."""
-    from fedlora.federation import DENSE
+    from fedlora.round_plan import DENSE
 
     message = state.broadcast
     if state.produced_by != DENSE:

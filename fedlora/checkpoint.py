@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fedlora.federation import GlobalState
+from fedlora.round_plan import GlobalState
 
 STATE_FILE = "global-state.safetensors"
 # The layout of the file's metadata and tensors. Bumped whenever it changes: a run is resumed only by a fedlora that

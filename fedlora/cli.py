@@ -142,9 +142,9 @@ def _float_arg(text: str) -> float:
 
 def describe(args: argparse.Namespace) -> dict:
     """What one client uploads per round under each mechanism, and what its sketch costs, for a real model: the
-    shapes the run's own Protocol expects of a client's message and its mechanism releases."""
+    shapes the run's own RoundPlan expects of a client's message and its mechanism releases."""
     from fedlora.config import RunConfig
-    from fedlora.federation import Protocol  # PEFT: imported only where needed
+    from fedlora.round_plan import RoundPlan  # PEFT: imported only where needed
     from fedlora.lora import build_lora_model, get_head
 
     spec = model_spec(args.model)
@@ -166,17 +166,19 @@ def describe(args: argparse.Namespace) -> dict:
         f"sgmm-flexlora ({'R B, A R_A' if adapter else 'R d(B A)'}, b={b})": ("sgmm-flexlora", b),
     }
     mechanisms = []
+    # a language model's message does not depend on its text: any text dataset gives its shapes
+    data = ({"dataset": "bible-kjv", "partitioner": "natural", "head": "frozen"} if spec.task == "causal-lm"
+            else {"num-classes": args.num_classes, "head": args.head})
     for row, (strategy, dim) in rows.items():
         config = RunConfig.from_mapping({"strategy": strategy, "model": args.model, "rank": r, "targets": args.targets,
-                                         "sketch-dim": dim, "head": args.head, "message": args.message,
-                                         "num-classes": args.num_classes})
-        protocol = Protocol(config, 1.0)
+                                         "sketch-dim": dim, "message": args.message, **data})
+        protocol = RoundPlan(config, 1.0)
         lora_round = config.linear_probe_rounds() + 1
         shapes = protocol.expected_message(protocol.initial_state(model).message, lora_round, r)
         released = protocol.mechanism.released_shapes(shapes)
         # under SecAgg+ FlexLoRA's clients send what the server's SVD sums: their products B A (b x b sketched)
         values, secure = (sum(math.prod(s) for s in entries.values())
-                          for entries in (released, Protocol.secure_shapes(released)))
+                          for entries in (released, RoundPlan.secure_shapes(released)))
         mechanisms.append({"strategy": row, "upload_values": values, "upload_bytes": values * _BYTES,
                            "sketch_multiply_adds": sum(protocol.mechanism.sketch.multiply_adds(n, s)
                                                        for n, s in shapes.items()),
@@ -184,8 +186,9 @@ def describe(args: argparse.Namespace) -> dict:
     return {
         "clients_per_round": getattr(args, "clients_per_round", None),
         "model": args.model, "family": spec.family, "source": spec.source, "image_size": spec.image_size,
+        "task": spec.task,
         "pretrained": spec.pretrained, "rank": r, "targets": args.targets, "adapted_layers": len(layers),
-        "head": args.head, "head_values": head, "preset_model": getattr(args, "preset_model", None),
+        "head": args.head if spec.head else "none", "head_values": head, "preset_model": getattr(args, "preset_model", None),
         "message": args.message,
         "layer_shapes": sorted({f"B {m}x{r}, A {r}x{k}" for m, k in layers}),
         "backbone_parameters": sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n),
@@ -197,14 +200,16 @@ def _print_describe(report: dict) -> None:
     preset = report.get("preset_model")
     weights = (f"the shapes of the preset's {preset}" if preset not in (None, report["model"])
                else "pretrained" if report["pretrained"] else "random init")
-    print(f"{report['model']}: {report['family']} '{report['source']}', {report['image_size']} px, {weights}, "
+    kind = f"{report['image_size']} px" if report["image_size"] else "causal language model"
+    print(f"{report['model']}: {report['family']} '{report['source']}', {kind}, {weights}, "
           f"{report['backbone_parameters'] / 1e6:.1f}M backbone parameters")
     print(f"LoRA rank {report['rank']} on {report['adapted_layers']} layers ({report['targets']}): "
           f"{'; '.join(report['layer_shapes'])}")
     head = f"classifier head: {report['head_values']:,} values ({report['head_values'] * _BYTES / 1024:.1f} KiB)"
     print({"message": f"{head}, sent dense in every message: included below",
            "probe": f"{head}, sent alone in the linear-probe rounds; the LoRA rounds below do not send it",
-           "frozen": "classifier head: frozen, never sent"}[report["head"]])
+           "frozen": "classifier head: frozen, never sent",
+           "none": "no classifier head: the output layer is the input embedding, tied and frozen"}[report["head"]])
     print("clients send " + ("their adapters (the paper's form)" if report["message"] == "adapter" else
                              "updates: FFA the change of B, FlexLoRA the change of each product B A"))
     print(f"\n{'strategy (mechanism)':<46}{'upload/client/round':>22}{'under SecAgg+':>16}{'sketch multiply-adds':>24}")
@@ -490,7 +495,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
 
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
     from fedlora.experiment import check_before_start, noise_for, sampling_of
-    from fedlora.federation import Protocol
+    from fedlora.round_plan import RoundPlan
 
     resuming, default_name = out_dir is not None, not (out_dir or args.out)
     out_dir = Path(out_dir or args.out or f"runs/{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -509,7 +514,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
                        "restore it, or start a new run.")
     if resuming and (out_dir / STATE_FILE).is_file():
         _check_recorded_releases(Checkpoint.load(out_dir), plan, out_dir)
-    protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
+    protocol = RoundPlan(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     out_dir = _claim(out_dir, command, default_name=default_name and not resuming)
     print(f"fedlora {command}: {config.strategy} on {config.dataset} with {config.model}, {config.num_clients} "
           f"clients, {config.clients_per_round} per round, {config.num_rounds} rounds -> {out_dir}")
@@ -578,7 +583,10 @@ def _done(rows: list[dict], out_dir, config) -> None:
               f"secret: on a node, `fedlora reconstruct {out_dir} --sketch-secret-file PATH` writes the adapter")
     else:
         events = " and TensorBoard events" if config.tracker == "tensorboard" else ""
-        print(f"done: accuracy {accuracy:.3f}; metrics.jsonl, adapter/, accuracy.png{events} in {out_dir}")
+        column = config.task.plotted[0]
+        result = (f"perplexity {rows[-1]['perplexity']:.2f}, {config.task.metric} {accuracy:.3f}"
+                  if column == "perplexity" else f"accuracy {accuracy:.3f}")
+        print(f"done: {result}; metrics.jsonl, adapter/, {column}.png{events} in {out_dir}")
     if config.dataset == "synthetic":  # the quickstart's data: say where real images are
         print(REAL_DATA_NEXT)
 
@@ -936,12 +944,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     pt = commands.add_parser("pretrain", help="rebuild an offline public backbone (vit-tiny-public from synthetic "
                                               "public classes, vit-tiny-fashion-public from Fashion-MNIST's public "
-                                              "split) and print its sha256")
-    pt.add_argument("--dataset", default="synthetic", choices=("synthetic", "fashion-mnist"),
+                                              "split, gpt2-tiny-public and its tokenizer from the fortunes "
+                                              "package's text) and print its sha256")
+    pt.add_argument("--dataset", default="synthetic", choices=("synthetic", "fashion-mnist", "fortunes"),
                     help="the public data (default: synthetic, for vit-tiny-public)")
-    pt.add_argument("--out", type=_path_arg, help="where to write it (default: the packaged file its model loads)")
+    pt.add_argument("--out", type=_path_arg, help="where to write it (default: the packaged file its model loads; "
+                                                  "the language model's tokenizer goes beside it)")
     pt.add_argument("--steps", type=_positive, default=None, help="AdamW steps (default: the recipe's, 1000 on "
-                                                                   "synthetic, 6000 on fashion-mnist)")
+                                                                   "synthetic, 6000 on fashion-mnist, 1500 on "
+                                                                   "fortunes)")
 
     p = commands.add_parser("privacy", help="epsilon of a strategy, or its noise multiplier for a target epsilon")
     p.add_argument("--strategy", default="sgmm-ffa-lora", help=f"one of {', '.join(ALGORITHMS)}")
@@ -1018,8 +1029,11 @@ def _pretrain(args: argparse.Namespace) -> None:
 
     from fedlora import pretrain
     from fedlora.data import fashion_mnist_unavailable_reason
+    from fedlora.text import fortunes_unavailable_reason
 
     if args.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
+        raise CLIError(reason)
+    if args.dataset == "fortunes" and (reason := fortunes_unavailable_reason()):
         raise CLIError(reason)
     if args.out and Path(args.out).is_dir():
         raise CLIError(f"--out '{args.out}' is a directory: name the weights file to write.")
@@ -1031,8 +1045,8 @@ def _pretrain(args: argparse.Namespace) -> None:
 def _reconstruct(args: argparse.Namespace) -> None:
     from fedlora.experiment import reconstruct
 
-    accuracy, loss = reconstruct(args.run_dir, args.sketch_secret_file)
-    print(f"test accuracy {accuracy:.3f}, loss {loss:.3f}")
+    metrics = reconstruct(args.run_dir, args.sketch_secret_file)
+    print("test " + ", ".join(f"{name} {value:.3f}" for name, value in metrics.items()))
 
 
 def _audit(args: argparse.Namespace) -> None:

@@ -22,19 +22,13 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
-from fedlora.data import (
-    FOLDER_PREFIX,
-    HUB_PREFIX,
-    PARTITIONER_KINDS,
-    dataset_classes,
-    is_user_dataset,
-)
+from fedlora.data import PARTITIONER_KINDS
 from fedlora.models import MODELS, adapted_layer_shapes
+from fedlora.tasks import task_of
+from fedlora.text import TEXT_DATASETS, TEXT_PARTITIONERS
 from fedlora.tracking import TRACKERS
 from fedlora.training import LOCAL_OPTIMIZERS, PRECISIONS
 
-DATASETS = ("synthetic", "cifar100", "fashion-mnist")
-DATASET_CLASSES = {"cifar100": 100, "fashion-mnist": 10}  # num-classes must say the same
 MAX_CLASSES = 10 ** 5  # ImageNet-21k has 21,843; a head of 10^9 classes would fill the memory before it failed
 OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the ServerApp writes,
 RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
@@ -147,12 +141,22 @@ class RunConfig:
     probe_rounds: int = _opt(0, "head = probe: linear-probe rounds before LoRA (0: 20% of num-rounds)", low=0)
     probe_budget: float = _opt(0.2, "head = probe: share of target-epsilon spent by the probe phase", low=0.0,
                                high=1.0, low_open=True)
-    dataset: str = _opt("synthetic", "synthetic CIFAR-like data (offline), CIFAR-100 from the hub, Fashion-MNIST "
-                                     "(offline from `apt-get install dataset-fashion-mnist`, else the hub), any "
-                                     "Hugging Face image-classification dataset as hf:<id>, or a folder with one "
-                                     "subfolder of images per class as folder:<path>")
+    dataset: str = _opt("synthetic", "images: synthetic CIFAR-like data (offline), CIFAR-100 from the hub, "
+                                     "Fashion-MNIST (offline from `apt-get install dataset-fashion-mnist`, else the "
+                                     "hub), any Hugging Face image-classification dataset as hf:<id>, or a folder with "
+                                     "one subfolder of images per class as folder:<path>. Text (a language model): "
+                                     f"{', '.join(TEXT_DATASETS)} (the King James Bible, offline from `apt-get install "
+                                     "bible-kjv`, one unit per chapter), a hub dataset as hf:<id>, or folder:<path> of "
+                                     ".txt files (one unit each) or JSON-lines files (one unit per client-column value)")
     image_column: str = _opt("", "an hf: or folder: dataset's image column (empty: its one Image feature)")
     label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label)")
+    text_column: str = _opt("", "text: an hf: or JSON-lines dataset's text column (empty: text, content, sentence "
+                                "or document, else its one string column)")
+    client_column: str = _opt("", "text: the column whose values are the natural units, one writer each (empty: "
+                                  "user, client, author, ... if present, else one unit per row)")
+    seq_len: int = _opt(64, "text: tokens per block (texts are packed, each followed by an end-of-text token)",
+                        low=2, high=10 ** 6)
+    tokenizer: str = _opt("", "text: a tokenizer.json file or a hub id (empty: the model's own)")
     num_classes: int = _opt(0, "classes (0: the data's; synthetic data has 10 unless set)", low=0, high=MAX_CLASSES)
     # synthetic images are made in memory, 3 KiB each: 10^6 is 3 GiB
     train_examples: int = _opt(20000, "synthetic train-split size", low=1, high=10 ** 6)
@@ -160,7 +164,9 @@ class RunConfig:
     model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
                                          "synthetic classes; vit-tiny-fashion-public: on Fashion-MNIST's public "
                                          "split; vit-tiny: the same at random init)", choices=tuple(MODELS))
-    partitioner: str = _opt("iid", "how data is split over clients", choices=PARTITIONER_KINDS)
+    partitioner: str = _opt("iid", "how data is split over clients (text: natural, its units dealt to clients in "
+                                   "order, one each when there are as many clients as units; or iid, shuffled)",
+                            choices=tuple(dict.fromkeys((*PARTITIONER_KINDS, *TEXT_PARTITIONERS))))
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
                                 "clients-per-round, rounded up; under secure aggregation, where it is N_min, the "
@@ -228,10 +234,15 @@ class RunConfig:
         return config
 
     @property
+    def task(self):
+        """What the model does (fedlora.tasks): its data, loss and metrics."""
+        return task_of(self.model)
+
+    @property
     def classes(self) -> int:
-        """The run's number of classes: num-classes, else the data's (read off the data for hf: and folder:)."""
-        return self.num_classes or dataset_classes(self.dataset, image_column=self.image_column,
-                                                   label_column=self.label_column)
+        """The run's number of classes: num-classes, else the data's (read off the data for hf: and folder:); 0 for
+        a language model."""
+        return self.task.classes(self)
 
     def problems(self) -> list[str]:
         """Every range and cross-constraint this configuration breaks, one sentence each."""
@@ -248,25 +259,15 @@ class RunConfig:
                 problems.append(f"{key} must be {'>' if meta['low_open'] else '>='} {_bound(low)}, got {value}.")
             elif high is not None and (value > high or (meta["high_open"] and value == high)):
                 problems.append(f"{key} must be {'<' if meta['high_open'] else '<='} {_bound(high)}, got {value}.")
-        if not (self.dataset in DATASETS or is_user_dataset(self.dataset)) or self.dataset in (HUB_PREFIX,
-                                                                                                  FOLDER_PREFIX):
-            near = difflib.get_close_matches(self.dataset, DATASETS, n=1)
-            problems.append(f"dataset must be one of {', '.join(DATASETS)}, hf:<id> or folder:<path>, got "
-                            f"'{self.dataset}'" + (f"; did you mean '{near[0]}'?" if near else "."))
-        elif (self.image_column or self.label_column) and not is_user_dataset(self.dataset):
-            problems.append(f"image-column and label-column name the columns of an hf: or folder: dataset; "
-                            f"{self.dataset} has its own.")
-        if self.num_classes == 1:
-            problems.append("num-classes must be 0 (the data's) or at least 2, got 1.")
-        if problems:  # the cross-constraints below assume every field is in range
+        if problems:  # the task's checks and the cross-constraints below assume every field is in range
+            return problems
+        problems += self.task.problems(self)
+        if problems:
             return problems
         algorithm = get_algorithm(self.strategy)
         if self.clients_per_round > self.num_clients:
             problems.append(f"clients-per-round ({self.clients_per_round}) cannot exceed num-clients "
                             f"({self.num_clients}).")
-        if self.dataset == "synthetic" and self.train_examples < self.num_clients:
-            problems.append(f"train-examples ({self.train_examples}) cannot be fewer than num-clients "
-                            f"({self.num_clients}): every client needs at least one example.")
         if self.simulation_nodes > self.num_clients:
             problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")
@@ -305,9 +306,6 @@ class RunConfig:
             problems.append(f"The linear-probe phase needs 1 to {self.num_rounds - 1} rounds (probe-rounds), leaving "
                             "LoRA rounds after it.")
         problems += self._lever_problems(algorithm)
-        if self.num_classes and self.dataset in DATASET_CLASSES and self.num_classes != DATASET_CLASSES[self.dataset]:
-            problems.append(f"{self.dataset} has {DATASET_CLASSES[self.dataset]} classes: set num-classes = "
-                            f"{DATASET_CLASSES[self.dataset]} (or 0, the data's).")
         try:  # rank <= every adapted layer's sides; b <= m (SGMM), h <= m r (SGMV)
             check_layer_sizes(algorithm, adapted_layer_shapes(self.model, targets=self.targets).values(),
                               rank=self.rank, sketch_dim=self.effective_sketch_dim())

@@ -675,6 +675,11 @@ class Draw:
     rows: torch.Tensor  # int64, on the host
     mirrored: torch.Tensor | None  # bool, on the host; None: not a training draw
 
+    @staticmethod
+    def join(draws: Sequence[Draw]) -> dict[str, torch.Tensor]:
+        """Several clients' draws as one batch on the device (``batch_of``)."""
+        return batch_of(draws)
+
 
 def batch_of(draws: Sequence[Draw]) -> dict[str, torch.Tensor]:
     """The batches of ``draws`` concatenated in order, {"pixel_values": float32 (B, 3, S, S), "labels": int64 (B,)}

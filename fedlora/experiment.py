@@ -14,20 +14,18 @@ from pathlib import Path
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
 from fedlora.config import RunConfig
-from fedlora.data import DeviceImages, load_split, to_torch
-from fedlora.federation import LORA, PROBE, GlobalState, Protocol
+from fedlora.round_plan import LORA, PROBE, GlobalState, RoundPlan
 from fedlora.lora import get_adapters, save_adapters
-from fedlora.models import model_spec
 from fedlora.mechanisms import gaussian_mechanism
 from fedlora.privacy import PrivacyLedger, PrivacyReport, SamplingScheme, calibrate, epsilon
 from fedlora.privacy.accounting import other_convention
 from fedlora.privacy.events import Phase, observers, other_observers
 from fedlora.tracking import clear_progress, tracker_for, write_progress
-from fedlora.training import evaluate, select_device
+from fedlora.training import select_device
 
-def test_images(config: RunConfig) -> DeviceImages:
-    """The run's test split, decoded onto this process's device at the model's size (the server evaluates on it)."""
-    return to_torch(load_split(config, "test"), model_spec(config.model).image_size, device=select_device())
+def test_data(config: RunConfig):
+    """The run's test split on this process's device, as its task feeds the model (the server evaluates on it)."""
+    return config.task.test_data(config, select_device())
 
 
 def sampling_of(config: RunConfig) -> SamplingScheme:
@@ -75,7 +73,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
     the LoRA phase to what the composition of both leaves. With adaptive clipping each LoRA round also
     releases the clip count, and the update's multiplier is raised until the pair spends the target.
     """
-    protocol = Protocol(config, 1.0, 1.0)
+    protocol = RoundPlan(config, 1.0, 1.0)
     if not protocol.algorithm.private:
         return NoisePlan(0.0, 0.0, {}, {})
     model = protocol.build_model()
@@ -90,7 +88,7 @@ def noise_for(config: RunConfig) -> NoisePlan:
     count = (protocol.clipping.release(),) if protocol.clipping is not None else ()
 
     def lora_release(z: float):
-        at_z = Protocol(config, z)
+        at_z = RoundPlan(config, z)
         return at_z.release_of(message, at_z.mechanism) + count
 
     def phases(z_probe: float, z_lora: float) -> list[Phase]:
@@ -125,7 +123,7 @@ class RunRecorder:
     with exactly those rows; otherwise both are written anew.
     """
 
-    def __init__(self, config: RunConfig, protocol: Protocol, out_dir: Path, *, echo=print,
+    def __init__(self, config: RunConfig, protocol: RoundPlan, out_dir: Path, *, echo=print,
                  rows: list[dict] | None = None):
         self.config, self.protocol, self.out_dir, self.echo = config, protocol, Path(out_dir), echo
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +138,7 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model(device=select_device())
         self.base = get_adapters(self.model)
-        self.test = test_images(config)
+        self.test = test_data(config)
         self.started = time.time()
 
     @property
@@ -148,17 +146,21 @@ class RunRecorder:
         """False when the sketch secret stays on the nodes: the server cannot de-sketch the global model."""
         return self.config.sketch_secret != "node-file"
 
-    def evaluate(self, state: GlobalState) -> tuple[float, float]:
-        """Accuracy and loss of the global model, reconstructed exactly as a client would."""
+    def evaluate(self, state: GlobalState) -> dict[str, float]:
+        """The task's metrics of the global model ("accuracy", "loss", ...), reconstructed exactly as a client
+        would."""
         self.protocol.load_global(self.model, state, self.base)
-        return evaluate(self.model, self.test, precision=self.config.precision)
+        return self.config.task.evaluate(self.model, self.test, precision=self.config.precision)
 
     def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
         due = self.can_reconstruct and (round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds)
-        accuracy, loss = self.evaluate(state) if due else (math.nan, math.nan)
+        metrics = self.evaluate(state) if due else {}
+        if not due and self.config.task.name == "causal-lm":
+            metrics = {"perplexity": math.nan}  # the column every row of a language model's run has
         reports = ledger.reports() if ledger is not None else {}
         report = reports.get(ledger.target_observer) if ledger is not None else None
-        row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": accuracy, "loss": loss,
+        row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": math.nan, "loss": math.nan,
+               **metrics,
                "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
                "noise_multiplier": self.protocol.noise_multiplier,
                "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
@@ -221,13 +223,14 @@ class RunRecorder:
         label = self.rows[-1]["threat_model"] if self.rows else self.protocol.mechanism.trust_model
         privacy = (f"{label}, z = {self.protocol.noise_multiplier:.3g}, epsilon = {epsilon:.3g}"
                    if self.protocol.algorithm.private else "not private")
-        plot_accuracy(self.rows, self.out_dir / "accuracy.png", title=f"{self.config.strategy} ({privacy})",
-                      chance=1 / self.config.classes)
+        column, label = self.config.task.plotted
+        plot_accuracy(self.rows, self.out_dir / f"{column}.png", title=f"{self.config.strategy} ({privacy})",
+                      chance=self.config.task.chance(self.config), column=column, label=label)
 
 
-def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> tuple[float, float]:
+def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) -> dict[str, float]:
     """De-sketches a run's global state with the federation's sketch secret (which only the nodes hold), writes
-    the PEFT adapter to the run directory, and returns its test accuracy and loss."""
+    the PEFT adapter to the run directory, and returns its task's test metrics ("accuracy", "loss", ...)."""
     from fedlora.node import read_sketch_seed, secret_fingerprint
 
     saved = Checkpoint.load(Path(run_dir))
@@ -236,14 +239,13 @@ def reconstruct(run_dir: Path, sketch_secret_file: str | Path, *, echo=print) ->
     if secret_fingerprint(sketch_secret_file) != saved.secret_fingerprint:
         raise ValueError(f"'{sketch_secret_file}' is not the sketch secret this run's nodes held.")
     config, z, z_probe = load_run_config(run_dir)
-    protocol = Protocol(config, z, z_probe)
+    protocol = RoundPlan(config, z, z_probe)
     protocol.sketch_seed = read_sketch_seed(sketch_secret_file)
     model = protocol.build_model(device=select_device())
     protocol.load_global(model, saved.state, get_adapters(model))
     save_adapters(model, Path(run_dir) / "adapter")
     echo(f"Wrote {Path(run_dir) / 'adapter'} (after round {saved.rounds_done}).")
-    test = test_images(config)
-    return evaluate(model, test, precision=config.precision)
+    return config.task.evaluate(model, test_data(config), precision=config.precision)
 
 
 def load_run_config(run_dir: Path) -> tuple[RunConfig, float, float]:
@@ -271,7 +273,10 @@ def format_progress(row: dict, config: RunConfig) -> str:
     eps += "".join(f", {value:.3f} {label}"
                    for value, label in other_observers(row.get("epsilon_by_observer", {}), row.get("observer"),
                                                        config.threat_model, config.noise_placement))
-    line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}  epsilon {eps}  {row['seconds']:.1f} s"
+    line = f"round {row['round']:>3}/{config.num_rounds}  accuracy {accuracy}"
+    if "perplexity" in row:  # a language model: next-token accuracy, and the perplexity of the test text
+        line += f"  perplexity {row['perplexity']:7.2f}" if measured else "  perplexity       -"
+    line += f"  epsilon {eps}  {row['seconds']:.1f} s"
     if row.get("replies", 0) < row.get("sampled", 0):
         line += f"  ({row['replies']} of {row['sampled']} replies)"
     if row.get("nodes", 0) > 1:
@@ -282,36 +287,28 @@ def format_progress(row: dict, config: RunConfig) -> str:
 
 
 def check_before_start(config: RunConfig) -> None:
-    """What the config alone cannot tell and can be known before any process starts: data reachability."""
-    from fedlora.data import dataset_classes, fashion_mnist_unavailable_reason, is_user_dataset
-    from fedlora.hub import offline_requested, unreachable_reason
-
-    if config.dataset == "cifar100" and not offline_requested() and (reason := unreachable_reason()):
-        raise ValueError(f"CIFAR-100 cannot be fetched ({reason}); offline, use dataset = \"synthetic\" or "
-                         "\"fashion-mnist\".")
-    if config.dataset == "fashion-mnist" and (reason := fashion_mnist_unavailable_reason()):
-        raise ValueError(reason)
-    if is_user_dataset(config.dataset):  # read now (cached for the run): a bad column or class is one line here
-        found = dataset_classes(config.dataset, image_column=config.image_column, label_column=config.label_column)
-        if config.num_classes and config.num_classes != found:
-            raise ValueError(f"{config.dataset} has {found} classes, but num-classes = {config.num_classes}: set "
-                             f"num-classes = {found}, or 0 (the data's).")
+    """What the config alone cannot tell and can be known before any process starts: data reachability, and what
+    the task checks (a tokenizer that fits the model)."""
+    config.task.check_before_start(config)
 
 
-def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float) -> None:
+def plot_accuracy(rows: list[dict], path: Path, *, title: str, chance: float | None, column: str = "accuracy",
+                  label: str = "test accuracy") -> None:
+    """The global model's ``column`` by round (a task's headline metric), with chance where it means something."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = [(r["round"], r["accuracy"]) for r in rows if r["accuracy"] is not None]
+    points = [(r["round"], r[column]) for r in rows if r.get(column) is not None]
     fig, ax = plt.subplots(figsize=(6, 4))
     if points:
         ax.plot(*zip(*points), marker="o", label="global model")
-    ax.axhline(chance, color="gray", linestyle="--", label="chance")
+    if chance is not None:
+        ax.axhline(chance, color="gray", linestyle="--", label="chance")
     ax.legend(loc="best")
     ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
+    ax.set_ylabel(label)
     ax.set_title("\n".join(textwrap.wrap(title, 80)), fontsize=9)  # labels name threat model and observer: long
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,4 +1,4 @@
-"""PEFT LoRA on ViT backbones, in FFA mode (A frozen at a shared seeded init) or Flex mode (A and B trained).
+"""PEFT LoRA on ViT and language-model backbones, in FFA mode (A frozen at a shared seeded init) or Flex mode (A and B trained).
 
 Adapters travel as an ordered mapping ``layer -> LoRAFactors(A, B)`` with A (r x k) and B (m x r),
 so that the update of a layer is (alpha / r) * B A. Layer names are module paths in the backbone
@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from fedlora.mechanisms import Message
 from fedlora.algorithms import LoRAMode
-from fedlora.models import TARGETS, build_backbone, model_spec
+from fedlora.models import TARGETS, build_backbone, linear_sides, model_spec
 from fedlora.sketch import layer_of, seeded_normal
 
 ADAPTER = "default"
@@ -46,7 +46,7 @@ def build_lora_model(model: str, *, num_classes: int, rank: int, alpha: float, t
                        mode=mode, seed=seed, train_head=train_head)
 
 
-def attach_lora(backbone: nn.Module, *, family: str, head: str, rank: int, alpha: float, targets: str = "qv",
+def attach_lora(backbone: nn.Module, *, family: str, head: str | None, rank: int, alpha: float, targets: str = "qv",
                 mode: LoRAMode | str = LoRAMode.FFA, seed: int = 0, train_head: bool = False) -> PeftModel:
     """Wraps ``backbone`` with LoRA: A ~ N(0, 1/r) seeded per layer (the same on every client), B = 0.
 
@@ -62,12 +62,13 @@ def attach_lora(backbone: nn.Module, *, family: str, head: str, rank: int, alpha
     if (family, targets) not in TARGETS:
         raise ValueError(f"Unknown LoRA targets '{targets}'; choose 'qv' or 'all'.")
     for name, module in backbone.named_modules():
-        if isinstance(module, nn.Linear) and re.fullmatch(TARGETS[family, targets], name):
-            if rank > min(module.in_features, module.out_features):
+        if (sides := linear_sides(module)) and re.fullmatch(TARGETS[family, targets], name):
+            if rank > min(sides):
                 raise ValueError(f"LoRA rank {rank} exceeds the smaller side of layer '{name}' "
-                                 f"({module.out_features} x {module.in_features}).")
+                                 f"({sides[0]} x {sides[1]}).")
+    # GPT-2's Conv1D stores its weight transposed: PEFT's fan_in_fan_out says so (A stays r x k, B m x r)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[family, targets],
-                        modules_to_save=[head] if train_head else None)
+                        modules_to_save=[head] if train_head and head else None, fan_in_fan_out=family == "gpt2")
     with warnings.catch_warnings():  # transformers 5 deprecation raised inside PEFT, not actionable here
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         model = get_peft_model(backbone, config)

@@ -1,4 +1,5 @@
-"""ViT backbones from transformers and timm: pretrained from the hub when reachable, tiny and random offline.
+"""Backbones: ViTs from transformers and timm, causal language models (GPT-2, LLaMA) from transformers; pretrained
+from the hub when reachable, tiny and random offline, and tiny ones pretrained on public data shipped in the package.
 
 A backbone is returned bare (no wrapper module), so that a PEFT adapter saved from it loads with
 ``PeftModel.from_pretrained`` onto the same model built by its own library.
@@ -27,19 +28,22 @@ class ModelUnavailableError(ValueError):
 class ModelSpec:
     """What a model name stands for."""
 
-    family: str  # "transformers" or "timm"
+    family: str  # "transformers" (ViT), "timm" (ViT), "gpt2" or "llama" (causal LMs, transformers)
     source: str  # hub id (transformers) or timm model name
-    image_size: int
+    image_size: int  # 0 for a language model
     pretrained: bool
     # Architecture overrides for random-init models (transformers ViTConfig / timm kwargs).
     overrides: tuple[tuple[str, int], ...] = ()
     random_twin: str | None = None  # the same architecture with random weights (shapes without the hub)
     packaged: bool = False  # weights shipped in the package (PACKAGED_WEIGHTS) on the random twin's architecture
+    task: str = "image-classification"  # what the model does (fedlora.tasks)
+    tokenizer: str = ""  # a language model's: a hub id, or a packaged tokenizer's name (PACKAGED_TOKENIZERS)
 
     @property
-    def head(self) -> str:
-        """Name of the classifier head module."""
-        return "classifier" if self.family == "transformers" else "head"
+    def head(self) -> str | None:
+        """Name of the classifier head module; None for a causal LM, whose output layer is tied to its input
+        embedding and stays frozen."""
+        return {"transformers": "classifier", "timm": "head"}.get(self.family)
 
 
 # Tiny ViT for CPUs and tests: 32 px, patch 4 (64 tokens), 6 blocks of width 192.
@@ -55,7 +59,8 @@ class PackagedWeights:
     sha256: str
     dataset: str  # the public data `fedlora pretrain --dataset` trains them on
     pretrained_on: str
-    head: str = "classifier"  # left out of the file: every run gets a fresh head for its own classes
+    head: str = "classifier"  # left out of the file: every run gets a fresh head for its own classes (a causal
+    # LM's output layer is its input embedding, tied: stored once)
 
     @property
     def path(self) -> Path:
@@ -90,6 +95,28 @@ PACKAGED_WEIGHTS: dict[str, PackagedWeights] = {
         "(its train split is the first 50,000; no test image)"),
 }
 
+# The packaged language models' tokenizer: a byte-level BPE of 4,096 tokens trained on the public text (fortunes)
+# by `fedlora pretrain --dataset fortunes`, which rebuilds it with the model.
+PACKAGED_TOKENIZERS: dict[str, PackagedWeights] = {
+    "fortunes-bpe-4096": PackagedWeights(
+        "", "fortunes-bpe-4096.json", "a80cd8044428340b36a3a8fb54483f52ac1b26440876c0f7a7bb63af5a8bc4fb", "fortunes",
+        "the fortunes package's texts (about 15,000 fortune-cookie texts of many modern writers; no federation's)"),
+}
+PACKAGED_WEIGHTS["gpt2-tiny-public"] = PackagedWeights(
+    "gpt2-tiny", "gpt2-tiny-public.safetensors", "310593290d719529ed4627f4d9bfaa7796d845ee0f4d1ff645403adbb27f793c", "fortunes",
+    "the fortunes package's texts (about 15,000 fortune-cookie texts of many modern writers, 0.8 M tokens), which no "
+    "federation uses", head="lm_head")
+
+# Tiny causal LMs for CPUs and tests: 4 blocks of width 128, 4,096 tokens, sequences up to 256.
+_TINY_GPT2 = dict(vocab_size=4096, n_positions=256, n_embd=128, n_layer=4, n_head=4)
+_TINY_LLAMA = dict(vocab_size=4096, max_position_embeddings=256, hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+# TinyLlama 1.1B's shapes (LLaMA 2 architecture, grouped-query attention): the GPU throughput benchmark's 1B model.
+_LLAMA_1B = dict(vocab_size=32000, max_position_embeddings=2048, hidden_size=2048, intermediate_size=5632,
+                 num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4)
+CAUSAL_LM = "causal-lm"
+_LM = dict(task=CAUSAL_LM)
+
 MODELS: dict[str, ModelSpec] = {
     "vit-tiny": ModelSpec("transformers", "vit-tiny", 32, False,
                           tuple({"image_size": 32, "patch_size": 4, **_TINY}.items())),
@@ -110,6 +137,22 @@ MODELS: dict[str, ModelSpec] = {
     # The same architectures with random weights: offline shape checks and benchmarks.
     "vit-b16-random": ModelSpec("transformers", "vit-b16-random", 224, False),
     "timm-vit-b16-random": ModelSpec("timm", "vit_base_patch16_224", 224, False),
+    # Causal language models. Offline: tiny GPT-2 and LLaMA at random init, and the tiny GPT-2 pretrained on the
+    # public text (PACKAGED_WEIGHTS), all with the packaged tokenizer.
+    "gpt2-tiny": ModelSpec("gpt2", "gpt2-tiny", 0, False, tuple(_TINY_GPT2.items()), tokenizer="fortunes-bpe-4096",
+                           **_LM),
+    "gpt2-tiny-public": ModelSpec("gpt2", "gpt2-tiny-public", 0, False, random_twin="gpt2-tiny", packaged=True,
+                                  tokenizer="fortunes-bpe-4096", **_LM),
+    "llama-tiny": ModelSpec("llama", "llama-tiny", 0, False, tuple(_TINY_LLAMA.items()),
+                            tokenizer="fortunes-bpe-4096", **_LM),
+    # GPT-2 small (124M) and TinyLlama 1.1B from the hub, with their random twins (shapes and speed offline).
+    "gpt2": ModelSpec("gpt2", "openai-community/gpt2", 0, True, random_twin="gpt2-random",
+                      tokenizer="openai-community/gpt2", **_LM),
+    "gpt2-random": ModelSpec("gpt2", "gpt2-random", 0, False, tokenizer="openai-community/gpt2", **_LM),
+    "tinyllama": ModelSpec("llama", "TinyLlama/TinyLlama_v1.1", 0, True, random_twin="llama-1b-random",
+                           tokenizer="TinyLlama/TinyLlama_v1.1", **_LM),
+    "llama-1b-random": ModelSpec("llama", "llama-1b-random", 0, False, tuple(_LLAMA_1B.items()),
+                                 tokenizer="TinyLlama/TinyLlama_v1.1", **_LM),
 }
 
 
@@ -121,6 +164,11 @@ TARGETS: dict[tuple[str, str], str] = {
     ("transformers", "all"): r".*layers\.\d+\.(attention\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(fc1|fc2))",
     ("timm", "qv"): r".*blocks\.\d+\.attn\.qkv",
     ("timm", "all"): r".*blocks\.\d+\.(attn\.(qkv|proj)|mlp\.(fc1|fc2))",
+    # GPT-2 fuses query, key and value into one Conv1D, c_attn: its "qv" adapts all three (TEXT.md)
+    ("gpt2", "qv"): r".*h\.\d+\.attn\.c_attn",
+    ("gpt2", "all"): r".*h\.\d+\.(attn\.(c_attn|c_proj)|mlp\.(c_fc|c_proj))",
+    ("llama", "qv"): r".*layers\.\d+\.self_attn\.(q_proj|v_proj)",
+    ("llama", "all"): r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))",
 }
 
 
@@ -137,7 +185,7 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
     ``seed`` so that every client builds the very same model.
     """
     spec = model_spec(name)
-    if num_classes < 2:
+    if num_classes < 2 and spec.task != CAUSAL_LM:
         raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
     if spec.pretrained and not offline_requested() and (reason := unreachable_reason()):
         raise _unavailable(spec, f"{reason}; set HF_HUB_OFFLINE=1 to use weights already in your HF cache")
@@ -148,6 +196,8 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
         return backbone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
+        if spec.task == CAUSAL_LM:
+            return _causal_lm(spec)
         if spec.family == "transformers":
             return _transformers_vit(spec, num_classes)
         return _timm_vit(spec, num_classes)
@@ -212,6 +262,38 @@ def _timm_vit(spec: ModelSpec, num_classes: int) -> nn.Module:
         raise
 
 
+def _causal_lm(spec: ModelSpec) -> nn.Module:
+    """A transformers causal LM without dropout: local training must be deterministic given its batches (clients
+    trained together equal clients trained alone), and DP training gains nothing from it."""
+    from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if spec.pretrained:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(spec.source, attn_implementation="sdpa")
+        except (OSError, ValueError) as error:
+            raise _unavailable(spec, error) from None
+    elif spec.family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(**dict(spec.overrides), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                           bos_token_id=0, eos_token_id=0, attn_implementation="sdpa"))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**dict(spec.overrides), bos_token_id=0, eos_token_id=0,
+                                             attn_implementation="sdpa"))
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def linear_sides(module: nn.Module) -> tuple[int, int] | None:
+    """(out_features m, in_features k) of a linear layer LoRA can adapt: ``nn.Linear``, or GPT-2's ``Conv1D``, whose
+    weight is stored transposed (k x m); None for any other module."""
+    if isinstance(module, nn.Linear):
+        return module.out_features, module.in_features
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers.pytorch_utils.Conv1D
+        return module.weight.shape[1], module.weight.shape[0]
+    return None
+
+
 def logits(model: nn.Module, pixel_values: torch.Tensor) -> torch.Tensor:
     """Class scores of either family (transformers returns an output object, timm a tensor)."""
     out = model(pixel_values)
@@ -226,5 +308,5 @@ def adapted_layer_shapes(model: str, *, targets: str = "qv") -> OrderedDict[str,
         raise ValueError(f"Unknown LoRA targets '{targets}'; choose 'qv' or 'all'.")
     with torch.device("meta"):  # shapes only: nothing is allocated or downloaded
         backbone = build_backbone(spec.random_twin or model, num_classes=2)
-    return OrderedDict((name, (module.out_features, module.in_features)) for name, module in backbone.named_modules()
-                       if isinstance(module, nn.Linear) and re.fullmatch(TARGETS[spec.family, targets], name))
+    return OrderedDict((name, linear_sides(module)) for name, module in backbone.named_modules()
+                       if linear_sides(module) and re.fullmatch(TARGETS[spec.family, targets], name))

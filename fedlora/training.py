@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fedlora.data import DeviceImages, batch_of
+from fedlora.data import DeviceImages
 from fedlora.models import logits
 
 
@@ -97,19 +97,21 @@ def autocast(device: torch.device, dtype: torch.dtype):
 
 
 def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: float, generator: torch.Generator,
-                optimizer: str = "sgd", precision: str = "fp32") -> float:
+                optimizer: str = "sgd", precision: str = "fp32", task=None) -> float:
     """``steps`` optimizer steps on mini-batches drawn (with replacement) from ``dataset``; returns the mean loss.
 
     ``optimizer`` is fresh each call (no state crosses rounds, so a client's reply depends on its data and the
     global model only): "sgd", or "adam", whose steps do not scale with the gradient, so that one lr serves a
     head whose gradients are large (wide features) and adapters whose gradients are small. ``precision``: see
     ``compute_dtype``.
-    ``dataset`` yields {"pixel_values", "labels"} for a list of indices (``fedlora.data.to_torch``).
+    ``dataset`` yields a batch for a list of indices, which ``task`` (fedlora.tasks; default: image classification,
+    {"pixel_values", "labels"} from ``fedlora.data.to_torch``) turns into a loss.
     """
     if len(dataset) == 0:
         raise ValueError("Cannot train on an empty partition.")
     if optimizer not in LOCAL_OPTIMIZERS:
         raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
+    task = task or _image_task()
     device = next(model.parameters()).device
     dtype = compute_dtype(precision, device)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -118,10 +120,9 @@ def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: f
     total = torch.zeros((), dtype=torch.float64, device=device)
     for _ in range(steps):
         indices = torch.randint(len(dataset), (batch_size,), generator=generator).tolist()
-        batch = dataset[indices]
-        with autocast(device, dtype):
-            out = logits(model, batch["pixel_values"].to(device))
-        loss = F.cross_entropy(out.float(), batch["labels"].to(device))
+        batch = {name: value.to(device) for name, value in dataset[indices].items()}
+        with autocast(device, dtype):  # the task's loss is float32 (what autocast does to a loss anyway)
+            loss = task.loss(model, batch)
         step.zero_grad(set_to_none=True)
         loss.backward()
         step.step()
@@ -131,10 +132,11 @@ def local_train(model: nn.Module, dataset, *, steps: int, batch_size: int, lr: f
 
 def local_train_clients(model: nn.Module, datasets: Sequence[DeviceImages], *, steps: int, batch_size: int, lr: float,
                         generators: Sequence[torch.Generator], augment_seeds: Sequence[int],
-                        optimizer: str = "sgd", precision: str = "fp32") -> tuple[dict[str, torch.Tensor], list[float]]:
+                        optimizer: str = "sgd", precision: str = "fp32",
+                        task=None) -> tuple[dict[str, torch.Tensor], list[float]]:
     """``local_train`` of M clients at once, all starting from the model's current trainable parameters: each step
-    one forward and backward of the M clients' batches concatenated (transformed on the device as one batch,
-    ``fedlora.data.batch_of``), through the frozen backbone shared and each client's own copy of every trainable
+    one forward and backward of the M clients' batches concatenated (their draws joined on the device as one batch,
+    as ``fedlora.data.batch_of`` transforms images), through the frozen backbone shared and each client's own copy of every trainable
     linear (LoRA factors, head: StackedLinear). Returns the clients' trained parameters, by name, stacked (M, ...)
     in client order, and each client's mean loss; the model's own parameters are left as they were.
 
@@ -151,6 +153,7 @@ def local_train_clients(model: nn.Module, datasets: Sequence[DeviceImages], *, s
         raise ValueError("Cannot train on an empty partition.")
     if optimizer not in LOCAL_OPTIMIZERS:
         raise ValueError(f"Unknown local optimizer '{optimizer}'; choose one of: {', '.join(LOCAL_OPTIMIZERS)}.")
+    task = task or _image_task()
     device = next(model.parameters()).device
     dtype = compute_dtype(precision, device)
     kept = torch.get_rng_state()
@@ -170,10 +173,9 @@ def local_train_clients(model: nn.Module, datasets: Sequence[DeviceImages], *, s
                 torch.set_rng_state(streams[m])
                 draws.append(dataset.draw(indices))
                 streams[m] = torch.get_rng_state()
-            batch = batch_of(draws)
+            batch = draws[0].join(draws)
             with autocast(device, dtype):
-                out = logits(model, batch["pixel_values"])
-            losses = F.cross_entropy(out.float(), batch["labels"], reduction="none").view(clients, -1).mean(1)
+                losses = task.example_losses(model, batch).view(clients, -1).mean(1)
             step.zero_grad(set_to_none=True)
             losses.sum().backward()
             step.step()
@@ -181,6 +183,12 @@ def local_train_clients(model: nn.Module, datasets: Sequence[DeviceImages], *, s
         trained = {name: p.detach() for name, p in stacked.items()}
     torch.set_rng_state(kept)
     return trained, (total / steps).cpu().tolist()
+
+
+def _image_task():
+    from fedlora.tasks import task_named
+
+    return task_named("image-classification")
 
 
 class StackedLinear(nn.Module):

@@ -19,7 +19,7 @@ from fedlora.clients.rounds import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
 from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
-from fedlora.federation import ASSIGNED, GlobalState, Protocol, derive_seed
+from fedlora.round_plan import ASSIGNED, GlobalState, RoundPlan, derive_seed
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 
@@ -77,7 +77,7 @@ def audit_federation(config: RunConfig, canaries: int, out_dir: Path, *, echo=pr
     """Runs the configured federation with the last ``canaries`` partitions as canaries; scores them."""
     check_canary_audit(config, canaries)
     started = time.perf_counter()
-    shapes_of = Protocol(config, 0.0)
+    shapes_of = RoundPlan(config, 0.0)
     template = shapes_of.initial_state(shapes_of.build_model()).message
     shapes = shapes_of.expected_message(template, config.num_rounds, config.rank)
     generator = torch.Generator().manual_seed(derive_seed(config.seed, "canaries"))

@@ -1,4 +1,4 @@
-"""One Flower strategy (Message API) for all seven algorithms: the protocol in ``fedlora.federation``
+"""One Flower strategy (Message API) for all seven algorithms: the server's side of the round in ``fedlora.server_round``
 decides FFA vs Flex aggregation and the mechanism; this class samples, talks to the grid, checks the
 replies, retries short rounds, accounts, and stops before the privacy budget would break.
 """
@@ -20,7 +20,8 @@ from flwr.supercore import log
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, RESTART, RUNNING, STALLED, Checkpoint
 from fedlora.mechanisms import NoisePlacement
-from fedlora.federation import ASSIGNED, LORA, PACKED, GlobalState, Protocol, num_bytes, packed_key
+from fedlora.round_plan import ASSIGNED, LORA, PACKED, GlobalState, num_bytes, packed_key
+from fedlora.server_round import ServerSide
 from fedlora.privacy import PrivacyLedger, SamplingScheme
 from fedlora.strategies.replies import error_line, gather
 from fedlora.strategies.secure_aggregation import secure_sum
@@ -52,7 +53,7 @@ class FedLoRAStrategy(Strategy):
     ``save`` is called whenever the progress changes, so that a checkpoint can be written.
     """
 
-    def __init__(self, protocol: Protocol, state: GlobalState, ledger: PrivacyLedger | None,
+    def __init__(self, protocol: ServerSide, state: GlobalState, ledger: PrivacyLedger | None,
                  sampling: SamplingScheme, phase_releases: dict, *, save: Callable[[], None] = lambda: None,
                  simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None):
         self.protocol = protocol

@@ -16,7 +16,7 @@ from flwr.supercore import log
 from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
 from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, run_config_of
 from fedlora.experiment import RunRecorder, load_run_config, noise_for, sampling_of
-from fedlora.federation import Protocol
+from fedlora.server_round import ServerSide
 from fedlora.strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
 
 app = ServerApp()
@@ -40,7 +40,7 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
     if saved and load_run_config(out_dir)[1:] != (plan.noise_multiplier, plan.probe_noise_multiplier):
         raise RuntimeError(f"The noise calibrated now differs from the one the run in {out_dir} used: it cannot be "
                            "resumed with this version.")
-    protocol = Protocol(config, plan.noise_multiplier, plan.probe_noise_multiplier)
+    protocol = ServerSide(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)),
                            rows=saved.rows if saved else None)
     strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),

@@ -227,7 +227,7 @@ def test_flex_update_canaries_are_seen_through_the_factors_clients_download():
     """FlexLoRA's updates: a canary's signature is its product change itself, and a state's view is B A of the
     factors clients download (the top-r of the server's dense product, which observers of the model never see)."""
     from fedlora.audit import model_view
-    from fedlora.federation import DENSE, GlobalState
+    from fedlora.round_plan import DENSE, GlobalState
 
     protocol = Protocol(load_config(None, ["strategy=flexlora"]), 0.0)
     b, a, w, head = torch.randn(6, 2), torch.randn(2, 5), torch.randn(6, 5), torch.randn(3)

@@ -277,6 +277,24 @@ def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypa
         assert row["seconds-per-client"] == pytest.approx(row["seconds"] / trained) and row["peak-memory-gib"] > 0
 
 
+def test_a_language_model_s_throughput_row_counts_tokens(monkeypatch):
+    """The text preset's client (tiny GPT-2): blocks a second as the examples, tokens a second = blocks x seq-len,
+    and the model alone through the task's own loss."""
+    from benchmarks import client_throughput
+    from fedlora.config import load_config
+
+    row = client_throughput.measure("bible", None, batch=2, clients=2, threads=1, path="device")
+    assert (row["model"], row["image-size"], row["clients"]) == ("gpt2-tiny-public", 64, 2)
+    blocks = 2 * row["local-steps"] * row["batch-size"]
+    assert row["images-per-second"] == pytest.approx(blocks / row["seconds"])
+    assert row["tokens-per-second"] == pytest.approx(64 * blocks / row["seconds"])
+    config, device, size, net, _ = client_throughput._setup("bible", None, 2, 1, "device")
+    assert client_throughput.model_alone(net, config, device, size, 2, steps=1) > 0
+    with pytest.raises(ValueError, match="a language model's rows have none"):
+        client_throughput._setup("bible", None, 1, 1, "host")
+    assert load_config("bible").task.name == "causal-lm"
+
+
 def test_the_sketch_cost_table_times_each_path_and_states_the_cached_ratio_either_way(tmp_path, monkeypatch):
     """A small run (rank 2, b 20): three interleaved paths timed for both mechanisms, the cached path's time against
     the bare products as the ratio the table's numbers give (below 1 when the cache pays, above when it does not)."""

@@ -143,7 +143,7 @@ def test_privacy_poisson_and_non_private(capsys):
     (["--config", str(QUICKSTART), "--rounds", "5"], "--config takes every value from the preset; drop "
                                                                "--rounds"),
     (["--config", "missing.toml"], "Config file 'missing.toml' does not exist (or give a packaged preset by name: "
-                                   "cifar100_private, fashion_mnist, paper_cifar100, quickstart, small_cohort)"),
+                                   "bible, cifar100_private, fashion_mnist, paper_cifar100, quickstart, small_cohort)"),
 ])
 def test_privacy_bad_input_is_one_line_and_exit_2(capsys, argv, message):
     assert main(["privacy", *argv]) == 2

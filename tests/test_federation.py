@@ -14,7 +14,9 @@ from fedlora.clients.app import app as client_app
 from fedlora.config import SIMULATION_KEY, RunConfig, run_config_of
 from fedlora.data import load_split, to_torch
 from fedlora.experiment import noise_for, reconstruct, sampling_of
-from fedlora.federation import DENSE, Protocol, overlapped
+from fedlora.client_round import overlapped
+from fedlora.federation import Protocol
+from fedlora.round_plan import DENSE
 from fedlora.models import build_backbone
 from fedlora.node import secret_fingerprint, write_sketch_secret
 from fedlora.privacy import epsilon
@@ -526,7 +528,7 @@ def test_seeded_noise_and_a_server_derived_secret_sketch_are_refused_outside_a_s
         run()
     with pytest.raises(RuntimeError, match='sketch-secret = "run-seed" lets the server derive the secret sketch'):
         run(**{"noise-source": "os", "threat-model": "secret-sketch"})
-    monkeypatch.setattr("fedlora.federation.os_generator", lambda: np.random.default_rng(2 ** 70))  # stands for the OS
+    monkeypatch.setattr("fedlora.round_plan.os_generator", lambda: np.random.default_rng(2 ** 70))  # stands for the OS
     strategy = run(**{"noise-source": "os", "num-rounds": 1})
     assert strategy.rounds[1]["partitions"] == sampling_of(strategy.config).draw(np.random.default_rng(2 ** 70))
     assert strategy.rounds_done == 1 and "seeded" not in strategy.ledger.trust_model
@@ -817,7 +819,7 @@ def test_a_diverged_client_replies_with_no_change_privatized_not_an_error(messag
     """Whether training diverged is a fact about the data, which an error reply would tell the server unnoised: every
     client (with a ledger or not) sends the message it started from (an update of zero), clipped and noised like any
     reply, and only the node's log says why."""
-    from fedlora.federation import TrainedClients
+    from fedlora.client_round import TrainedClients
 
     config = RunConfig.from_mapping({**SMALL, "message": message, "noise-multiplier": 2.0, "target-epsilon": 0,
                                      "noise-source": "os"})

@@ -15,7 +15,7 @@ from fedlora.clients.app import app as client_app
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, STALLED, STATE_FILE, Checkpoint
 from fedlora.config import RESUME_KEY, RunConfig
 from fedlora.experiment import noise_for
-from fedlora.federation import packed_key
+from fedlora.round_plan import packed_key
 from fedlora.mechanisms import gaussian_mechanism, sgmm_mechanism, sgmv_mechanism
 from fedlora.sketch import SketchKey, is_product
 from fedlora.strategies.inprocess_grid import InProcessGrid
