@@ -144,7 +144,7 @@ def test_linear_probe_then_lora_composes_two_phases(tmp_path):
 
 def test_probe_phase_trains_only_the_head(tmp_path):
     strategy, _, _ = _run(tmp_path, strategy="ffa-lora", head="probe", num_rounds=2, probe_rounds=1)
-    protocol = strategy.protocol
+    protocol = Protocol(strategy.protocol.config, strategy.protocol.noise_multiplier)  # a client's side too
     assert protocol.phase(1) == "linear-probe" and protocol.phase(2) == "lora"
     model = protocol.build_model()
     protocol._set_trainable(model, "linear-probe")
@@ -249,7 +249,7 @@ def test_nodes_must_share_one_sketch_secret(tmp_path):
     assert strategy.secret_fingerprint == secret_fingerprint(a)
     with pytest.raises(ValueError, match="is not the sketch secret this run's nodes held"):
         reconstruct(tmp_path / "ok", b, echo=lambda line: None)
-    accuracy, _ = reconstruct(tmp_path / "ok", a, echo=lambda line: None)
+    accuracy = reconstruct(tmp_path / "ok", a, echo=lambda line: None)["accuracy"]
     assert 0 <= accuracy <= 1 and (tmp_path / "ok" / "adapter" / "adapter_config.json").exists()
 
 
@@ -542,14 +542,14 @@ def test_the_real_data_preset_learns_in_a_few_rounds(monkeypatch, tmp_path):
     skipped elsewhere."""
     import os
 
-    import fedlora.experiment
+    import fedlora.tasks.image
     from fedlora.config import load_config
     from fedlora.data import load_split
     from fedlora.data import fashion_mnist_unavailable_reason
 
     if (reason := fashion_mnist_unavailable_reason()) is not None:
         (pytest.fail if os.environ.get("CI") else pytest.skip)(reason)
-    monkeypatch.setattr(fedlora.experiment, "load_split", lambda config, split: load_split(config, split).select(
+    monkeypatch.setattr(fedlora.tasks.image, "load_split", lambda config, split: load_split(config, split).select(
         range(2000)) if split == "test" else load_split(config, split))
     preset = load_config("fashion_mnist").to_mapping()
     config = {**preset, "num-clients": 100, "clients-per-round": 10, "num-rounds": 2, "eval-every": 2,
