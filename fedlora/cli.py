@@ -167,8 +167,9 @@ def describe(args: argparse.Namespace) -> dict:
     }
     mechanisms = []
     # a language model's message does not depend on its text: any text dataset gives its shapes
-    data = ({"dataset": "bible-kjv", "partitioner": "natural", "head": "frozen"} if spec.task == "causal-lm"
-            else {"num-classes": args.num_classes, "head": args.head})
+    data = {"causal-lm": {"dataset": "bible-kjv", "partitioner": "natural", "head": "frozen"},
+            "text-classification": {"dataset": "folder:.", "num-classes": args.num_classes, "head": args.head}}.get(
+        spec.task, {"num-classes": args.num_classes, "head": args.head})
     for row, (strategy, dim) in rows.items():
         config = RunConfig.from_mapping({"strategy": strategy, "model": args.model, "rank": r, "targets": args.targets,
                                          "sketch-dim": dim, "message": args.message, **data})
@@ -200,7 +201,8 @@ def _print_describe(report: dict) -> None:
     preset = report.get("preset_model")
     weights = (f"the shapes of the preset's {preset}" if preset not in (None, report["model"])
                else "pretrained" if report["pretrained"] else "random init")
-    kind = f"{report['image_size']} px" if report["image_size"] else "causal language model"
+    kind = f"{report['image_size']} px" if report["image_size"] else {"causal-lm": "causal language model"}.get(
+        report["task"], "text classifier")
     print(f"{report['model']}: {report['family']} '{report['source']}', {kind}, {weights}, "
           f"{report['backbone_parameters'] / 1e6:.1f}M backbone parameters")
     print(f"LoRA rank {report['rank']} on {report['adapted_layers']} layers ({report['targets']}): "

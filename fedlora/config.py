@@ -23,7 +23,7 @@ else:  # Python 3.10
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.data import PARTITIONER_KINDS
-from fedlora.models import MODELS, adapted_layer_shapes
+from fedlora.models import HUB_MODEL_PREFIX, MODELS, adapted_layer_shapes, model_spec
 from fedlora.tasks import task_of
 from fedlora.text import TEXT_DATASETS, TEXT_PARTITIONERS
 from fedlora.tracking import TRACKERS
@@ -147,13 +147,18 @@ class RunConfig:
                                      "one subfolder of images per class as folder:<path>. Text (a language model): "
                                      f"{', '.join(TEXT_DATASETS)} (the King James Bible, offline from `apt-get install "
                                      "bible-kjv`, one unit per chapter), a hub dataset as hf:<id>, or folder:<path> of "
-                                     ".txt files (one unit each) or JSON-lines files (one unit per client-column value)")
+                                     ".txt files (one unit each) or JSON-lines files (one unit per client-column "
+                                     "value). Labelled text (a text classifier): hf:<id>, or folder:<path> with a "
+                                     "subfolder of .txt files per class (a file an example) or JSON-lines files (a row "
+                                     "an example, with a text and a label field)")
     image_column: str = _opt("", "an hf: or folder: dataset's image column (empty: its one Image feature)")
-    label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label)")
+    label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label; "
+                                 "text: label, labels, class or category)")
     text_column: str = _opt("", "text: an hf: or JSON-lines dataset's text column (empty: text, content, sentence "
                                 "or document, else its one string column)")
     client_column: str = _opt("", "text: the column whose values are the natural units, one writer each (empty: "
-                                  "user, client, author, ... if present, else one unit per row)")
+                                  "user, client, author, ... if present, else one unit per row; a text classifier's "
+                                  "natural partition needs one)")
     seq_len: int = _opt(64, "text: tokens per block (texts are packed, each followed by an end-of-text token)",
                         low=2, high=10 ** 6)
     tokenizer: str = _opt("", "text: a tokenizer.json file or a hub id (empty: the model's own)")
@@ -163,9 +168,13 @@ class RunConfig:
     test_examples: int = _opt(1000, "synthetic test-split size", low=1, high=10 ** 6)
     model: str = _opt("vit-tiny-public", "backbone (vit-tiny-public: the tiny ViT pretrained offline on public "
                                          "synthetic classes; vit-tiny-fashion-public: on Fashion-MNIST's public "
-                                         "split; vit-tiny: the same at random init)", choices=tuple(MODELS))
+                                         "split; vit-tiny: the same at random init; hf:<hub id or folder>: a "
+                                         "transformers checkpoint of a family fedlora adapts: GPT-2, LLaMA-style "
+                                         "(LLaMA, Mistral, Qwen2/3, Gemma), BERT, RoBERTa, DistilBERT)",
+                       choices=tuple(MODELS))
     partitioner: str = _opt("iid", "how data is split over clients (text: natural, its units dealt to clients in "
-                                   "order, one each when there are as many clients as units; or iid, shuffled)",
+                                   "order, one each when there are as many clients as units; or iid, shuffled; a "
+                                   "text classifier's by label as images are, or natural by its client column)",
                             choices=tuple(dict.fromkeys((*PARTITIONER_KINDS, *TEXT_PARTITIONERS))))
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
@@ -249,6 +258,12 @@ class RunConfig:
         problems = []
         for f in fields(self):
             value, meta, key = getattr(self, f.name), f.metadata, self.key(f.name)
+            if key == "model" and value.startswith(HUB_MODEL_PREFIX):  # any checkpoint of a family fedlora adapts
+                try:
+                    model_spec(value)
+                except ValueError as error:
+                    problems.append(str(error))
+                continue
             if meta["choices"] and value not in meta["choices"]:
                 problems.append(_choice_problem(key, value, meta["choices"]))
                 continue

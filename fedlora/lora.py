@@ -46,12 +46,14 @@ def build_lora_model(model: str, *, num_classes: int, rank: int, alpha: float, t
                        mode=mode, seed=seed, train_head=train_head)
 
 
-def attach_lora(backbone: nn.Module, *, family: str, head: str | None, rank: int, alpha: float, targets: str = "qv",
+def attach_lora(backbone: nn.Module, *, family: str, head: str | tuple[str, ...] | None, rank: int, alpha: float, targets: str = "qv",
                 mode: LoRAMode | str = LoRAMode.FFA, seed: int = 0, train_head: bool = False) -> PeftModel:
     """Wraps ``backbone`` with LoRA: A ~ N(0, 1/r) seeded per layer (the same on every client), B = 0.
 
-    ``targets`` is a preset ("qv": attention query/value; "all": every attention and MLP linear).
+    ``targets`` is a preset ("qv": attention query/value; "all": every attention and MLP linear); ``head`` names the
+    classifier head's modules, trained whole (``train_head``) beside LoRA.
     """
+    head = (head,) if isinstance(head, str) else tuple(head or ())
     if rank <= 0:
         raise ValueError(f"LoRA rank must be positive, got {rank}.")
     if not alpha > 0:
@@ -68,7 +70,7 @@ def attach_lora(backbone: nn.Module, *, family: str, head: str | None, rank: int
                                  f"({sides[0]} x {sides[1]}).")
     # GPT-2's Conv1D stores its weight transposed: PEFT's fan_in_fan_out says so (A stays r x k, B m x r)
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[family, targets],
-                        modules_to_save=[head] if train_head and head else None, fan_in_fan_out=family == "gpt2")
+                        modules_to_save=list(head) if train_head and head else None, fan_in_fan_out=family == "gpt2")
     with warnings.catch_warnings():  # transformers 5 deprecation raised inside PEFT, not actionable here
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         model = get_peft_model(backbone, config)
@@ -150,41 +152,32 @@ def message_parameters(model: PeftModel) -> dict[str, str]:
     for layer, module in _lora_layers(model):
         entries[f"{layer}.lora_A"] = names[id(module.lora_A[ADAPTER].weight)]
         entries[f"{layer}.lora_B"] = names[id(module.lora_B[ADAPTER].weight)]
-    found = _head_module(model)
-    if found is not None:
-        name, module = found
+    for name, module in _head_modules(model):
         entries.update({f"{name}.{p}": names[id(t)] for p, t in module.named_parameters()})
     return entries
 
 
-def _head_module(model: PeftModel) -> tuple[str, nn.Module] | None:
-    """The trainable copy PEFT keeps of the classifier head (``modules_to_save``), if the head is trained."""
-    names = model.peft_config[ADAPTER].modules_to_save or []
-    for name in names:
-        wrapper = model.base_model.model.get_submodule(name)
-        return name, wrapper.modules_to_save[ADAPTER]
-    return None
+def _head_modules(model: PeftModel) -> list[tuple[str, nn.Module]]:
+    """The trainable copies PEFT keeps of the classifier head's modules (``modules_to_save``), if the head is
+    trained; [] if frozen."""
+    return [(name, model.base_model.model.get_submodule(name).modules_to_save[ADAPTER])
+            for name in model.peft_config[ADAPTER].modules_to_save or []]
 
 
 def get_head(model: PeftModel) -> dict[str, Tensor]:
     """The trained head's parameters as dense message entries (``classifier.weight``, ...); {} if frozen."""
-    found = _head_module(model)
-    if found is None:
-        return {}
-    name, module = found
-    return {f"{name}.{p}": t.detach().clone() for p, t in module.named_parameters()}
+    return {f"{name}.{p}": t.detach().clone() for name, module in _head_modules(model)
+            for p, t in module.named_parameters()}
 
 
 def set_head(model: PeftModel, values: Mapping[str, Tensor]) -> None:
-    found = _head_module(model)
-    if found is None:
-        if values:
-            raise ValueError("This model's head is frozen, but head values were given.")
-        return
-    name, module = found
+    found = _head_modules(model)
+    if not found and values:
+        raise ValueError("This model's head is frozen, but head values were given.")
     with torch.no_grad():
-        for p, t in module.named_parameters():
-            key = f"{name}.{p}"
-            if key not in values or tuple(values[key].shape) != tuple(t.shape):
-                raise ValueError(f"Head entry '{key}' is missing or has the wrong shape.")
-            t.copy_(values[key])
+        for name, module in found:
+            for p, t in module.named_parameters():
+                key = f"{name}.{p}"
+                if key not in values or tuple(values[key].shape) != tuple(t.shape):
+                    raise ValueError(f"Head entry '{key}' is missing or has the wrong shape.")
+                t.copy_(values[key])

@@ -28,7 +28,8 @@ class ModelUnavailableError(ValueError):
 class ModelSpec:
     """What a model name stands for."""
 
-    family: str  # "transformers" (ViT), "timm" (ViT), "gpt2" or "llama" (causal LMs, transformers)
+    family: str  # "transformers" (ViT), "timm" (ViT), "gpt2" or "llama" (causal LMs), "bert", "roberta" or
+    # "distilbert" (sequence classifiers; all but timm from transformers)
     source: str  # hub id (transformers) or timm model name
     image_size: int  # 0 for a language model
     pretrained: bool
@@ -40,10 +41,12 @@ class ModelSpec:
     tokenizer: str = ""  # a language model's: a hub id, or a packaged tokenizer's name (PACKAGED_TOKENIZERS)
 
     @property
-    def head(self) -> str | None:
-        """Name of the classifier head module; None for a causal LM, whose output layer is tied to its input
-        embedding and stays frozen."""
-        return {"transformers": "classifier", "timm": "head"}.get(self.family)
+    def head(self) -> tuple[str, ...]:
+        """Names of the classifier head's modules, fresh at every init (DistilBERT's reads its first token through
+        pre_classifier first); none for a causal LM, whose output layer is tied to its input embedding and stays
+        frozen."""
+        return {"transformers": ("classifier",), "timm": ("head",), "bert": ("classifier",),
+                "roberta": ("classifier",), "distilbert": ("pre_classifier", "classifier")}.get(self.family, ())
 
 
 # Tiny ViT for CPUs and tests: 32 px, patch 4 (64 tokens), 6 blocks of width 192.
@@ -114,8 +117,17 @@ _TINY_LLAMA = dict(vocab_size=4096, max_position_embeddings=256, hidden_size=128
 # TinyLlama 1.1B's shapes (LLaMA 2 architecture, grouped-query attention): the GPU throughput benchmark's 1B model.
 _LLAMA_1B = dict(vocab_size=32000, max_position_embeddings=2048, hidden_size=2048, intermediate_size=5632,
                  num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4)
+# Tiny text classifiers for CPUs and tests (BERT, RoBERTa and DistilBERT architectures): 4 blocks of width 128, the
+# packaged tokenizer's 4,096 tokens, sequences up to 256 (RoBERTa's positions start after its padding id: 2 more).
+_TINY_BERT = dict(vocab_size=4096, max_position_embeddings=256, hidden_size=128, intermediate_size=256,
+                  num_hidden_layers=4, num_attention_heads=4)
+_TINY_ROBERTA = {**_TINY_BERT, "max_position_embeddings": 258}
+_TINY_DISTILBERT = dict(vocab_size=4096, max_position_embeddings=256, dim=128, hidden_dim=256, n_layers=4, n_heads=4)
 CAUSAL_LM = "causal-lm"
+TEXT_CLASSIFICATION = "text-classification"
+SEQUENCE_CLASSIFIERS = ("bert", "roberta", "distilbert")  # families of transformers' *ForSequenceClassification
 _LM = dict(task=CAUSAL_LM)
+_TC = dict(task=TEXT_CLASSIFICATION)
 
 MODELS: dict[str, ModelSpec] = {
     "vit-tiny": ModelSpec("transformers", "vit-tiny", 32, False,
@@ -153,6 +165,26 @@ MODELS: dict[str, ModelSpec] = {
                            tokenizer="TinyLlama/TinyLlama_v1.1", **_LM),
     "llama-1b-random": ModelSpec("llama", "llama-1b-random", 0, False, tuple(_LLAMA_1B.items()),
                                  tokenizer="TinyLlama/TinyLlama_v1.1", **_LM),
+    # Text (sequence) classifiers. Offline: tiny BERT, RoBERTa and DistilBERT at random init with the packaged
+    # tokenizer; from the hub: the three base models with their tokenizers, and their random twins.
+    "bert-tiny": ModelSpec("bert", "bert-tiny", 0, False, tuple(_TINY_BERT.items()), tokenizer="fortunes-bpe-4096",
+                           **_TC),
+    "roberta-tiny": ModelSpec("roberta", "roberta-tiny", 0, False, tuple(_TINY_ROBERTA.items()),
+                              tokenizer="fortunes-bpe-4096", **_TC),
+    "distilbert-tiny": ModelSpec("distilbert", "distilbert-tiny", 0, False, tuple(_TINY_DISTILBERT.items()),
+                                 tokenizer="fortunes-bpe-4096", **_TC),
+    "bert-base": ModelSpec("bert", "google-bert/bert-base-uncased", 0, True, random_twin="bert-base-random",
+                           tokenizer="google-bert/bert-base-uncased", **_TC),
+    "bert-base-random": ModelSpec("bert", "bert-base-random", 0, False, tokenizer="google-bert/bert-base-uncased",
+                                  **_TC),
+    "roberta-base": ModelSpec("roberta", "FacebookAI/roberta-base", 0, True, random_twin="roberta-base-random",
+                              tokenizer="FacebookAI/roberta-base", **_TC),
+    "roberta-base-random": ModelSpec("roberta", "roberta-base-random", 0, False, tokenizer="FacebookAI/roberta-base",
+                                     **_TC),
+    "distilbert": ModelSpec("distilbert", "distilbert/distilbert-base-uncased", 0, True,
+                            random_twin="distilbert-random", tokenizer="distilbert/distilbert-base-uncased", **_TC),
+    "distilbert-random": ModelSpec("distilbert", "distilbert-random", 0, False,
+                                   tokenizer="distilbert/distilbert-base-uncased", **_TC),
 }
 
 
@@ -169,13 +201,74 @@ TARGETS: dict[tuple[str, str], str] = {
     ("gpt2", "all"): r".*h\.\d+\.(attn\.(c_attn|c_proj)|mlp\.(c_fc|c_proj))",
     ("llama", "qv"): r".*layers\.\d+\.self_attn\.(q_proj|v_proj)",
     ("llama", "all"): r".*layers\.\d+\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))",
+    ("bert", "qv"): r".*layer\.\d+\.attention\.self\.(query|value)",
+    ("bert", "all"): r".*layer\.\d+\.(attention\.(self\.(query|key|value)|output\.dense)|intermediate\.dense|"
+                     r"output\.dense)",
+    ("distilbert", "qv"): r".*layer\.\d+\.attention\.(q_lin|v_lin)",
+    ("distilbert", "all"): r".*layer\.\d+\.(attention\.(q_lin|k_lin|v_lin|out_lin)|ffn\.(lin1|lin2))",
 }
+TARGETS["roberta", "qv"], TARGETS["roberta", "all"] = TARGETS["bert", "qv"], TARGETS["bert", "all"]  # BERT's blocks
+
+
+HUB_MODEL_PREFIX = "hf:"  # model = "hf:<hub id or local folder>": any checkpoint of a family LoRA targets here
+# transformers' model_type -> fedlora's family (LLaMA's module names are Mistral's, Qwen's and Gemma's too)
+HUB_FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+                "gemma": "llama", "gemma2": "llama", "bert": "bert", "roberta": "roberta", "distilbert": "distilbert"}
 
 
 def model_spec(name: str) -> ModelSpec:
+    if name.startswith(HUB_MODEL_PREFIX):
+        return _hub_spec(name)
     if name not in MODELS:
-        raise ValueError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}.")
+        raise ValueError(f"Unknown model '{name}'; choose one of: {', '.join(MODELS)}, or hf:<hub id or folder>.")
     return MODELS[name]
+
+
+def is_local(source: str) -> bool:
+    """A checkpoint in a folder (save_pretrained's), read without the hub."""
+    return Path(source).expanduser().is_dir()
+
+
+@lru_cache(maxsize=8)
+def _hub_spec(name: str) -> ModelSpec:
+    """What "hf:<id>" stands for, read off its config (the hub's, the HF cache's, or a folder's): its family by
+    model_type, its task by family (a causal LM or a sequence classifier), its own tokenizer."""
+    source = name.removeprefix(HUB_MODEL_PREFIX)
+    if not source:
+        raise ValueError("model = \"hf:\" names no checkpoint: give hf:<hub id> or hf:<folder>.")
+    model_type = hub_architecture(name).get("model_type", "")
+    if model_type not in HUB_FAMILIES:
+        raise ValueError(f"{name} is a '{model_type}' model; fedlora adapts {', '.join(sorted(HUB_FAMILIES))}.")
+    family = HUB_FAMILIES[model_type]
+    return ModelSpec(family, str(Path(source).expanduser()) if is_local(source) else source, 0, True,
+                     task=TEXT_CLASSIFICATION if family in SEQUENCE_CLASSIFIERS else CAUSAL_LM,
+                     tokenizer=str(Path(source).expanduser()) if is_local(source) else source)
+
+
+@lru_cache(maxsize=8)
+def hub_architecture(name: str) -> dict:
+    """The config of "hf:<id>" as a dict (ValueError, one sentence, where it cannot be read)."""
+    from transformers import AutoConfig
+
+    source = name.removeprefix(HUB_MODEL_PREFIX)
+    if not is_local(source) and not offline_requested() and (reason := unreachable_reason()):
+        raise ModelUnavailableError(f"{name}: the Hugging Face hub cannot be reached ({reason}); offline, give a "
+                                    "folder saved by save_pretrained as hf:<folder>, set HF_HUB_OFFLINE=1 for the HF "
+                                    "cache, or use model = \"gpt2-tiny-public\" or \"bert-tiny\".")
+    try:
+        return AutoConfig.from_pretrained(source).to_dict()
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelUnavailableError(f"{name}: its config could not be read ({first}).") from None
+
+
+def architecture(model: str) -> dict:
+    """The model's architecture settings (its own, its random twin's, or the checkpoint's config); {} for a named
+    hub model without overrides (transformers' defaults are its own)."""
+    if model.startswith(HUB_MODEL_PREFIX):
+        return hub_architecture(model)
+    spec = model_spec(model)
+    return dict(model_spec(spec.random_twin).overrides if spec.random_twin else spec.overrides)
 
 
 def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
@@ -187,7 +280,9 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
     spec = model_spec(name)
     if num_classes < 2 and spec.task != CAUSAL_LM:
         raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
-    if spec.pretrained and not offline_requested() and (reason := unreachable_reason()):
+    if torch.get_default_device().type == "meta" and name.startswith(HUB_MODEL_PREFIX):
+        return _from_config(spec, name, num_classes)  # shapes only: the checkpoint's architecture, no weights
+    if spec.pretrained and not is_local(spec.source) and not offline_requested() and (reason := unreachable_reason()):
         raise _unavailable(spec, f"{reason}; set HF_HUB_OFFLINE=1 to use weights already in your HF cache")
     if spec.packaged:
         backbone = build_backbone(spec.random_twin, num_classes=num_classes, seed=seed)
@@ -198,6 +293,8 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
         torch.manual_seed(seed)
         if spec.task == CAUSAL_LM:
             return _causal_lm(spec)
+        if spec.task == TEXT_CLASSIFICATION:
+            return _sequence_classifier(spec, num_classes)
         if spec.family == "transformers":
             return _transformers_vit(spec, num_classes)
         return _timm_vit(spec, num_classes)
@@ -231,9 +328,13 @@ def _packaged_state(weights: PackagedWeights) -> dict[str, torch.Tensor]:
 
 def _unavailable(spec: ModelSpec, error: Exception | str) -> ModelUnavailableError:
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    offline = {CAUSAL_LM: "model = \"gpt2-tiny-public\" (pretrained offline, packaged)",
+               TEXT_CLASSIFICATION: "model = \"bert-tiny\" (random init)"}.get(
+        spec.task, "model = \"vit-tiny\" (random init, 32 px)")
+    twin = f" or its random twin '{spec.random_twin}'" if spec.random_twin else ""
     return ModelUnavailableError(
         f"Pretrained weights '{spec.source}' could not be loaded from the Hugging Face hub ({reason}); "
-        f"offline, use model = \"vit-tiny\" (random init, 32 px) or a '-random' ViT-B variant.")
+        f"offline, use {offline}{twin}.")
 
 
 def _transformers_vit(spec: ModelSpec, num_classes: int) -> nn.Module:
@@ -278,6 +379,37 @@ def _causal_lm(spec: ModelSpec) -> nn.Module:
     else:
         model = LlamaForCausalLM(LlamaConfig(**dict(spec.overrides), bos_token_id=0, eos_token_id=0,
                                              attn_implementation="sdpa"))
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def _from_config(spec: ModelSpec, name: str, num_classes: int) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = AutoConfig.from_pretrained(spec.source)
+    if spec.task == CAUSAL_LM:
+        return AutoModelForCausalLM.from_config(config)
+    config.num_labels = num_classes
+    return AutoModelForSequenceClassification.from_config(config)
+
+
+def _sequence_classifier(spec: ModelSpec, num_classes: int) -> nn.Module:
+    """A transformers sequence classifier with a fresh ``num_classes``-way head, without dropout (as ``_causal_lm``)."""
+    import transformers
+
+    kinds = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert"}[spec.family]
+    if spec.pretrained:
+        try:
+            model = transformers.AutoModelForSequenceClassification.from_pretrained(
+                spec.source, num_labels=num_classes, attn_implementation="sdpa")
+        except (OSError, ValueError) as error:
+            raise _unavailable(spec, error) from None
+    else:
+        config = getattr(transformers, f"{kinds}Config")(**dict(spec.overrides), num_labels=num_classes,
+                                                       pad_token_id=0, attn_implementation="sdpa")
+        model = getattr(transformers, f"{kinds}ForSequenceClassification")(config)
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0

@@ -1,4 +1,5 @@
-"""Text for language models: real corpora offline, the user's own text, tokenizers, and token blocks on the device.
+"""Text for language models: real corpora offline, the user's own text, tokenizers, and token blocks on the device;
+labelled text for text classifiers (``labelled_text``, one example a text, ``example_tokens``).
 
 A text dataset is a list of *units*, each a writer's or a document's text: a chapter of the King James Bible, a
 file of a folder, the lines of a JSON-lines file that share a user id, the rows of a hub dataset that share a
@@ -40,6 +41,7 @@ TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_COLUMNS = ("text", "content", "sentence", "document")  # recognized without text-column
 CLIENT_COLUMNS = ("user", "user_id", "client", "client_id", "author", "writer", "speaker")  # without client-column
+LABEL_COLUMNS = ("label", "labels", "class", "category")  # a classifier's labels, recognized without label-column
 TEXT_PARTITIONERS = ("natural", "iid")
 EOS = "<|endoftext|>"
 
@@ -117,20 +119,11 @@ def user_text(name: str, *, text_column: str = "", client_column: str = "") -> T
     one unit per client-column value or per row). Without a test split, a seeded HELD_OUT_FRACTION of the units is
     held out. Raises ValueError, one sentence, on anything that cannot be used."""
     if name.startswith(HUB_PREFIX):
-        raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
-        train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
-        if train is None:
-            raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
-        test = next((raw[s] for s in ("test", "validation") if s in raw), None)
         splits = [_rows_units(name, list(split), text_column, client_column) if split is not None else None
-                  for split in (train, test)]
+                  for split in _hub_splits(name)]
     else:
-        root = Path(name.removeprefix(FOLDER_PREFIX)).expanduser()
-        if not root.is_dir():
-            raise ValueError(f"{name}: '{root}' is not a directory.")
-        folders = [root / "train", root / "test"] if (root / "train").is_dir() else [root, None]
-        splits = [_folder_units(name, f, text_column, client_column) if f is not None and f.is_dir() else None
-                  for f in folders]
+        splits = [_folder_units(name, f, text_column, client_column) if f is not None else None
+                  for f in _folder_splits(name)]
     train, test = splits
     if not train:
         raise ValueError(f"{name} holds no text: expected .txt or .jsonl files.")
@@ -141,6 +134,25 @@ def user_text(name: str, *, text_column: str = "", client_column: str = "") -> T
             raise ValueError(f"{name} has 1 unit of text: a test split needs another (add a file, or a test/ folder).")
         test, train = [train[i] for i in sorted(order[:count])], [train[i] for i in sorted(order[count:])]
     return TextSplits(tuple(train), tuple(test))
+
+
+def _hub_splits(name: str) -> tuple:
+    """(train, test or None) of "hf:<id>": its train split (or its only one), and its test or validation split."""
+    raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
+    train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
+    if train is None:
+        raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
+    return train, next((raw[s] for s in ("test", "validation") if s in raw), None)
+
+
+def _folder_splits(name: str) -> tuple[Path, Path | None]:
+    """(train, test or None) folders of "folder:<path>": its train/ and test/ subfolders if there, else itself."""
+    root = Path(name.removeprefix(FOLDER_PREFIX)).expanduser()
+    if not root.is_dir():
+        raise ValueError(f"{name}: '{root}' is not a directory.")
+    if (root / "train").is_dir():
+        return root / "train", root / "test" if (root / "test").is_dir() else None
+    return root, None
 
 
 def _folder_units(name: str, folder: Path, text_column: str, client_column: str) -> list[tuple[str, str]]:
@@ -154,16 +166,7 @@ def _folder_units(name: str, folder: Path, text_column: str, client_column: str)
                                  "text.")
             units.append((relative, text))
         elif path.suffix.lower() in JSONL_SUFFIXES:
-            rows = []
-            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except ValueError:
-                    raise ValueError(f"{name}: line {number} of '{relative}' is not JSON.") from None
-            if not rows:
-                raise ValueError(f"{name}: '{relative}' is empty.")
+            rows = _json_lines(name, path, relative)
             units += [(f"{relative}:{unit}", text) for unit, text in _rows_units(f"{name}/{relative}", rows,
                                                                                  text_column, client_column)]
     return units
@@ -250,10 +253,20 @@ class TextTokenizer:
             raise ValueError(f"The tokenizer '{self.name}' has no end-of-text token to separate packed texts.")
         return found
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+    @property
+    def pad_id(self) -> int:
+        """The id padding is filled with (masked out wherever it is): the tokenizer's pad token, else end-of-text."""
+        found = getattr(self.backend, "pad_token_id", None)
+        return found if found is not None else self.eos_id
+
+    def encode(self, texts: Sequence[str], *, special: bool = False, max_length: int | None = None) -> list[list[int]]:
+        """Each text's ids, at most ``max_length``; ``special``: with the tokens a hub tokenizer adds around one
+        sequence (BERT's [CLS] and [SEP], kept when the text is cut), as its classifier was trained to read (a
+        tokenizers file adds none)."""
         if hasattr(self.backend, "encode_batch"):
-            return [e.ids for e in self.backend.encode_batch(list(texts))]
-        return self.backend(list(texts), add_special_tokens=False)["input_ids"]
+            return [e.ids[:max_length] for e in self.backend.encode_batch(list(texts))]
+        return self.backend(list(texts), add_special_tokens=special, truncation=max_length is not None,
+                            max_length=max_length)["input_ids"]
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int):
@@ -285,7 +298,7 @@ def load_tokenizer(name: str) -> TextTokenizer:
             raise ValueError(f"'{path}' is not a tokenizers tokenizer.json ({type(error).__name__}).") from None
     from fedlora.hub import offline_requested, unreachable_reason
 
-    if not offline_requested() and (reason := unreachable_reason()):
+    if not path.is_dir() and not offline_requested() and (reason := unreachable_reason()):  # a folder: no hub
         raise TextUnavailableError(f"The tokenizer '{name}' could not be loaded from the Hugging Face hub ({reason}); "
                                    "offline, use model = \"gpt2-tiny-public\" (its tokenizer is packaged).")
     from transformers import AutoTokenizer
@@ -326,11 +339,14 @@ def token_blocks(units: Sequence[np.ndarray], seq_len: int, eos_id: int) -> tupl
 
 class DeviceTokens:
     """Blocks of token ids stored once on a device; ``tokens[indices]`` gives {"input_ids": int64 (B, L), "valid":
-    bool (B, L)} there (``valid``: a real token, not padding)."""
+    bool (B, L)} there (``valid``: a real token, not padding), and "labels" (B,) when each block is a labelled
+    example (a text classifier's)."""
 
-    def __init__(self, ids: torch.Tensor, valid: torch.Tensor, device: torch.device | str | None = None):
+    def __init__(self, ids: torch.Tensor, valid: torch.Tensor, device: torch.device | str | None = None,
+                 labels: torch.Tensor | None = None):
         self.device = torch.device(device or "cpu")
         self.ids, self.valid = ids.to(self.device), valid.to(self.device)
+        self.labels = labels.to(self.device) if labels is not None else None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -341,7 +357,7 @@ class DeviceTokens:
 
     @property
     def nbytes(self) -> int:
-        return self.ids.nbytes + self.valid.nbytes
+        return self.ids.nbytes + self.valid.nbytes + (self.labels.nbytes if self.labels is not None else 0)
 
     def draw(self, key: int | slice | Sequence[int]) -> TokenDraw:
         rows = torch.arange(len(self))[key] if isinstance(key, slice) else torch.as_tensor(key, dtype=torch.int64)
@@ -366,9 +382,14 @@ class TokenDraw:
         first = draws[0].tokens
         if any(d.tokens.ids.shape[1] != first.ids.shape[1] or d.tokens.device != first.device for d in draws):
             raise ValueError("Blocks drawn together must have one length and one device.")
+        if any((d.tokens.labels is None) != (first.labels is None) for d in draws):
+            raise ValueError("Blocks drawn together must all be labelled, or none.")
         rows = _onto_device(torch.cat([d.rows for d in draws]), first.device).split([len(d.rows) for d in draws])
-        return {"input_ids": torch.cat([d.tokens.ids[r] for d, r in zip(draws, rows)]),
-                "valid": torch.cat([d.tokens.valid[r] for d, r in zip(draws, rows)])}
+        batch = {"input_ids": torch.cat([d.tokens.ids[r] for d, r in zip(draws, rows)]),
+                 "valid": torch.cat([d.tokens.valid[r] for d, r in zip(draws, rows)])}
+        if first.labels is not None:
+            batch["labels"] = torch.cat([d.tokens.labels[r] for d, r in zip(draws, rows)])
+        return batch
 
 
 def to_device_tokens(units: Sequence[np.ndarray], seq_len: int, eos_id: int,
@@ -385,3 +406,209 @@ def text_dir_units(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
     if not units:
         raise ValueError(f"data-dir '{root}' holds no text (.txt or .jsonl files).")
     return units
+
+
+# -- labelled text, for text classifiers ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LabelledText:
+    """A text-classification dataset: each split's examples as (text, label index, client key or None), and the
+    class names (a label's index is its place there)."""
+
+    train: tuple[tuple[str, int, str | None], ...]
+    test: tuple[tuple[str, int, str | None], ...]
+    classes: tuple[str, ...]
+
+    @property
+    def has_clients(self) -> bool:
+        return self.train[0][2] is not None
+
+
+@functools.lru_cache(maxsize=4)
+def labelled_text(name: str, *, text_column: str = "", label_column: str = "", client_column: str = "") -> LabelledText:
+    """The examples of "folder:<path>" (a subfolder of .txt files per class, each file an example; or JSON-lines
+    files, a row an example, with a text and a label field; train/ and test/ subfolders, if there, are the splits) or
+    of "hf:<id>" (a hub dataset's text and label columns). A client column, if set or found (user, author, ...),
+    is the natural partition's unit. Without a test split a seeded, stratified HELD_OUT_FRACTION is held out.
+    Raises ValueError, one sentence, on anything that cannot be used."""
+    names: list[str] | None = None  # a hub ClassLabel's names, in its order
+    if name.startswith(HUB_PREFIX):
+        import datasets
+
+        hub = _hub_splits(name)
+        label = _labels_column(name, hub[0].column_names, label_column)
+        if isinstance(hub[0].features[label], datasets.ClassLabel):
+            names = list(hub[0].features[label].names)
+        splits = [_rows_examples(name, list(split), text_column, label, client_column) if split is not None else None
+                  for split in hub]
+    else:
+        splits = [_folder_examples(name, f, text_column, label_column, client_column) if f is not None else None
+                  for f in _folder_splits(name)]
+    train, test = splits
+    if not train:
+        raise ValueError(f"{name} holds no labelled text: expected a subfolder of .txt files per class, or .jsonl "
+                         "files with a text and a label field.")
+    if test is None:
+        train, test = _held_out(name, train)
+    classes = _classes(name, train, names)
+    index = {c: i for i, c in enumerate(classes)}
+    if unknown := sorted({str(label) for _, label, _ in test} - set(index)):
+        raise ValueError(f"{name}'s test split has labels its train split lacks: {', '.join(unknown[:5])}.")
+    if len(classes) < 2:
+        raise ValueError(f"{name} has 1 class ({classes[0]}); a classifier needs at least 2.")
+    as_index = lambda examples: tuple((t, index[str(label)], c) for t, label, c in examples)  # noqa: E731
+    return LabelledText(as_index(train), as_index(test), tuple(classes))
+
+
+def _labels_column(name: str, columns: Sequence[str], chosen: str) -> str:
+    if chosen:
+        if chosen not in columns:
+            raise ValueError(f"{name} has no column '{chosen}' (label-column); its columns: {', '.join(columns)}.")
+        return chosen
+    found = [c for c in LABEL_COLUMNS if c in columns]
+    if len(found) != 1:
+        raise ValueError(f"{name} has {len(found) or 'no'} label columns ({', '.join(found or columns)}): set "
+                         "label-column.")
+    return found[0]
+
+
+def _rows_examples(name: str, rows: Sequence[dict], text_column: str, label: str | None,
+                   client_column: str) -> list[tuple[str, object, str | None]]:
+    """Rows of records, each an example: (its text, its label as stored, its client key or None)."""
+    if not rows:
+        return []
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{name}: every row must be a JSON object with a text and a label field.")
+    columns = list(rows[0])
+    label = _labels_column(name, columns, label or "")
+    text = _text_column(name, [c for c in columns if c != label], rows[0], text_column, TEXT_COLUMNS, kind="text")
+    client = _text_column(name, columns, rows[0], client_column, CLIENT_COLUMNS, kind="client", optional=True)
+    examples = []
+    for i, row in enumerate(rows):
+        if not isinstance(row.get(text), str) or not row[text].strip():
+            raise ValueError(f"{name}: row {i + 1} has no text in its '{text}' field.")
+        if row.get(label) is None or isinstance(row[label], (bool, float, list, dict)):
+            raise ValueError(f"{name}: row {i + 1} has no label in its '{label}' field (a class name or a whole "
+                             "number).")
+        examples.append((row[text], row[label], str(row.get(client)) if client else None))
+    return examples
+
+
+def _folder_examples(name: str, folder: Path, text_column: str, label_column: str,
+                     client_column: str) -> list[tuple[str, object, str | None]]:
+    """A split's folder: class subfolders of .txt files (each file an example of its folder's class), or JSON-lines
+    files of labelled rows."""
+    classes = sorted(d for d in folder.iterdir() if d.is_dir() and d.name not in ("train", "test"))
+    if classes:
+        if label_column or client_column:
+            raise ValueError(f"{name}: class subfolders name the labels (one example a file): label-column and "
+                             "client-column name JSON-lines fields.")
+        examples = []
+        for directory in classes:
+            files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)
+            if not files:
+                raise ValueError(f"{name}: class folder '{directory.name}' holds no .txt files.")
+            for path in files:
+                text = path.read_text(encoding="utf-8", errors="replace")
+                if not text.strip():
+                    raise ValueError(f"{name}: '{path.relative_to(folder)}' is empty: every file is an example, and "
+                                     "an example needs text.")
+                examples.append((text, directory.name, None))
+        return examples
+    units = _folder_rows(name, folder)
+    return [e for relative, rows in units for e in _rows_examples(f"{name}/{relative}", rows, text_column,
+                                                                  label_column or None, client_column)]
+
+
+def _folder_rows(name: str, folder: Path) -> list[tuple[str, list[dict]]]:
+    """Every JSON-lines file's rows under ``folder``, by its path."""
+    found = []
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in JSONL_SUFFIXES):
+        relative = str(path.relative_to(folder))
+        found.append((relative, _json_lines(name, path, relative)))
+    return found
+
+
+def _json_lines(name: str, path: Path, relative: str) -> list:
+    """A JSON-lines file's rows (blank lines skipped); ValueError, one sentence, for a line not JSON or no rows."""
+    rows = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise ValueError(f"{name}: line {number} of '{relative}' is not JSON.") from None
+    if not rows:
+        raise ValueError(f"{name}: '{relative}' is empty.")
+    return rows
+
+
+def _held_out(name: str, train: list) -> tuple[list, list]:
+    """(train, test): a seeded HELD_OUT_FRACTION of each class's examples held out (at least one of a class with
+    two or more), so that every class is tested where it can be."""
+    if len(train) < 2:
+        raise ValueError(f"{name} has 1 example: a test split needs another (add examples, or a test/ folder).")
+    rng = np.random.default_rng(HELD_OUT_SEED)
+    by_class: dict[str, list[int]] = {}
+    for i, (_, label, _) in enumerate(train):
+        by_class.setdefault(str(label), []).append(i)
+    held = set()
+    for rows in by_class.values():
+        if len(rows) >= 2:
+            held.update(rng.permutation(rows)[:max(1, round(HELD_OUT_FRACTION * len(rows)))].tolist())
+    return [e for i, e in enumerate(train) if i not in held], [e for i, e in enumerate(train) if i in held]
+
+
+def _classes(name: str, train: list, names: list[str] | None) -> list[str]:
+    """The class names: a ClassLabel's; else whole-number labels 0..K-1 (each needs examples); else the names found,
+    sorted."""
+    found = {label for _, label, _ in train}
+    if names is not None or all(isinstance(v, int) for v in found):
+        count = len(names) if names is not None else max(found) + 1
+        if any(not isinstance(v, int) or not 0 <= v < count for v in found):
+            raise ValueError(f"{name}'s labels must be whole numbers 0..K-1 or class names, got "
+                             f"{sorted(found, key=str)[:3]}.")
+        if missing := sorted(set(range(count)) - found):
+            raise ValueError(f"{name} has no training examples of class {', '.join(map(str, missing[:5]))}: remove "
+                             "the class or add examples.")
+        return [str(i) for i in range(count)] if names is None else [str(n) for n in names]
+    if any(not isinstance(v, str) for v in found):
+        raise ValueError(f"{name}'s labels mix names and numbers ({', '.join(sorted(map(str, found))[:3])}): use one "
+                         "kind.")
+    return sorted(found)
+
+
+def partition_examples(kind: str, text: LabelledText, *, num_partitions: int, partition_id: int, seed: int = 0,
+                       alpha: float = 0.5) -> list[int]:
+    """The train examples of one partition: "natural" deals the client column's units (one writer's examples
+    each) as ``partition_units`` does; "iid", "dirichlet" and "pathological" split by label with fedlora.data's
+    flwr-datasets partitioners."""
+    if kind == "natural":
+        if not text.has_clients:
+            raise ValueError("partitioner = \"natural\" needs a client column (client-column, or a user, author, "
+                             "... field): this text has none; use iid, dirichlet or pathological.")
+        units: dict[str, list[int]] = {}
+        for i, (_, _, client) in enumerate(text.train):
+            units.setdefault(client, []).append(i)
+        rows = list(units.values())
+        return sorted(i for u in partition_units("natural", units=len(rows), num_partitions=num_partitions,
+                                                 partition_id=partition_id, seed=seed) for i in rows[u])
+    import datasets
+
+    from fedlora.data import LABEL_COLUMN, load_partition, make_partitioner
+
+    table = datasets.Dataset.from_dict({"row": list(range(len(text.train))),
+                                        LABEL_COLUMN: [label for _, label, _ in text.train]})
+    partitioner = make_partitioner(kind, num_partitions=num_partitions, dataset=table, alpha=alpha, seed=seed)
+    return sorted(load_partition(partitioner, partition_id)["row"])
+
+
+def example_tokens(texts: Sequence[str], labels: Sequence[int], tokenizer: TextTokenizer, seq_len: int,
+                   device: torch.device | str | None = None) -> DeviceTokens:
+    """Labelled examples as one block each: the text's ids (with a hub tokenizer's special tokens) cut to
+    ``seq_len``, padded after its end (``valid`` false there)."""
+    ids = np.full((len(texts), seq_len), tokenizer.pad_id, dtype=np.int64)
+    valid = np.zeros((len(texts), seq_len), dtype=bool)
+    for row, encoded in enumerate(tokenizer.encode(texts, special=True, max_length=seq_len)):
+        ids[row, :len(encoded)], valid[row, :len(encoded)] = encoded, True
+    return DeviceTokens(torch.from_numpy(ids), torch.from_numpy(valid), device=device,
+                        labels=torch.as_tensor(list(labels), dtype=torch.int64))

@@ -20,3 +20,28 @@ def leftover_flower_processes() -> list[str]:
     """Live (not zombie) Flower and Ray processes on this machine."""
     out = subprocess.run(["ps", "-eo", "stat,cmd"], capture_output=True, text=True).stdout.splitlines()
     return [line for line in out if any(p in line for p in FLOWER_PROCESSES) and not line.startswith("Z")]
+
+
+def assert_trained_together_as_alone(model, data, task) -> set[str]:
+    """Three clients trained in one pass per step (``local_train_clients``) change the model's trainable parameters
+    and lose what each does alone (``local_train``), within 1e-4; returns the trainable parameters' names."""
+    from fedlora.training import local_train, local_train_clients
+
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train = {"steps": 3, "batch_size": 4, "lr": 0.01, "optimizer": "adam", "task": task}
+    together, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m)
+                                                                    for m in range(len(data))],
+                                           augment_seeds=[10 + m for m in range(len(data))], **train)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert together.keys() == trainable
+    for m in range(len(data)):
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(start[n])
+        loss = local_train(model, data[m], generator=torch.Generator().manual_seed(m), **train)
+        alone = {n: p.detach() - start[n] for n, p in model.named_parameters() if n in trainable}
+        error = sum(((together[n][m] - start[n]) - alone[n]).norm() ** 2 for n in alone) ** 0.5
+        assert error <= 1e-4 * sum(alone[n].norm() ** 2 for n in alone) ** 0.5
+        assert losses[m] == pytest.approx(loss, rel=1e-5)
+    assert len({round(loss, 6) for loss in losses}) == len(data)
+    return trainable

@@ -21,8 +21,7 @@ from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 from fedlora.tasks import task_named
 from fedlora.text import bible_unavailable_reason, to_device_tokens
-from fedlora.training import local_train, local_train_clients
-from tests.helpers import DEVICES
+from tests.helpers import DEVICES, assert_trained_together_as_alone
 
 LM = task_named("causal-lm")
 WORDS = ("the lord said unto moses speak unto the children of israel and say unto them when any man of you bring an "
@@ -78,23 +77,8 @@ def test_language_model_clients_trained_together_compute_what_each_computes_alon
     """GPT-2's LoRA on its fused Conv1D (and LLaMA's on Linear): three clients in one pass per step change their
     adapters and lose what each does alone, within 1e-4."""
     model = build_lora_model(model_name, num_classes=0, rank=2, alpha=4.0, mode=mode).to(device)
-    data = [_blocks(s, device) for s in range(3)]
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train = {"steps": 3, "batch_size": 4, "lr": 0.01, "optimizer": "adam", "task": LM}
-    together, losses = local_train_clients(model, data, generators=[torch.Generator().manual_seed(m) for m in range(3)],
-                                           augment_seeds=[10 + m for m in range(3)], **train)
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert together.keys() == trainable and any("lora_A" in n for n in trainable) == (mode is LoRAMode.FLEX)
-    for m in range(3):
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                p.copy_(start[n])
-        loss = local_train(model, data[m], generator=torch.Generator().manual_seed(m), **train)
-        alone = {n: p.detach() - start[n] for n, p in model.named_parameters() if n in trainable}
-        error = sum(((together[n][m] - start[n]) - alone[n]).norm() ** 2 for n in alone) ** 0.5
-        assert error <= 1e-4 * sum(alone[n].norm() ** 2 for n in alone) ** 0.5
-        assert losses[m] == pytest.approx(loss, rel=1e-5)
-    assert len({round(loss, 6) for loss in losses}) == 3
+    trainable = assert_trained_together_as_alone(model, [_blocks(s, device) for s in range(3)], LM)
+    assert any("lora_A" in n for n in trainable) == (mode is LoRAMode.FLEX)
 
 
 def test_the_loss_counts_real_tokens_only_and_evaluation_weighs_every_token_once():
@@ -149,3 +133,44 @@ def test_describe_and_privacy_report_the_text_preset(capsys):
     assert "LoRA rank 4 on 4 layers (qv): B 384x4, A 4x128" in out and "no classifier head" in out
     assert main(["privacy", "--config", "bible"]) == 0
     assert "epsilon = 7.98" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("strategy_name, placement", [
+    ("ffa-lora", "server"), ("flexlora", "server"), ("gm-ffa-lora", "client"), ("sgmv-ffa-lora", "client"),
+    ("sgmm-ffa-lora", "client"), ("gm-flexlora", "server"), ("sgmm-flexlora", "server"),
+    ("sgmm-flexlora", "client")])
+def test_every_strategy_takes_a_round_of_a_language_model(tmp_path, strategy_name, placement):
+    """The seven strategies (with the paper's placement, noise at each client, and the server's) on text: two rounds
+    of a tiny GPT-2, each aggregated from every reply and counted."""
+    strategy, grid, _ = _run(tmp_path, strategy=strategy_name, noise_placement=placement, num_rounds=2,
+                             sketch_dim=32 if strategy_name.startswith("sgmv") else 16)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2] and all(r["replies"] == 3 and r["rejected"] == 0 for r in rows)
+    assert all(math.isfinite(r["loss"]) for r in rows) and len(grid.calls) == 6
+    private = strategy_name not in ("ffa-lora", "flexlora")
+    assert (strategy.ledger is not None and strategy.ledger.rounds == 2) == private
+
+
+def test_a_crashed_language_model_run_resumes_to_the_uninterrupted_result(tmp_path):
+    """Resume on text: a run whose server dies as round 3's messages go out continues from its checkpoint to the
+    model, ledger and rows of the run that never stopped."""
+    from fedlora.checkpoint import Checkpoint
+    from fedlora.config import RESUME_KEY
+    from tests.test_reliability import Crash, CrashingGrid
+
+    reference, _, _ = _run(tmp_path / "reference", num_rounds=4)
+    out = tmp_path / "crashed"
+    config = {"model": "gpt2-tiny", "dataset": f"folder:{_text_folder(out / 'text')}", "partitioner": "natural",
+              "head": "frozen", "num-clients": 5, "clients-per-round": 3, "num-rounds": 4, "local-steps": 2,
+              "batch-size": 4, "seq-len": 16, "sketch-dim": 16, "target-epsilon": 10.0, "out-dir": str(out / "run")}
+    context = lambda extra: Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),  # noqa: E731
+                                    run_config={**config, **extra})
+    with pytest.raises(Crash):
+        run_federation(CrashingGrid(client_app, 5, config), context({}), echo=lambda line: None)
+    assert Checkpoint.load(out / "run").rounds_done == 2
+    resumed = run_federation(InProcessGrid(client_app, 5, config), context({RESUME_KEY: True}), echo=lambda line: None)
+    rows = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert resumed.ledger.rounds == reference.ledger.rounds == 4 and resumed.ledger.epsilon == reference.ledger.epsilon
+    for name, t in reference.state.message.items():
+        torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)

@@ -1,4 +1,5 @@
-"""Tasks: what differs between image classification and causal language modelling, chosen once by the model.
+"""Tasks: what differs between image classification, causal language modelling and text classification, chosen once
+by the model.
 
 A task builds nothing the rest of fedlora must know about: mechanisms, clipping, accounting, the strategies, the Flower
 apps, batched clients, checkpoints and tracking see a LoRA model, batches and a loss. What a task owns:
@@ -59,8 +60,9 @@ class Task:
 def task_named(name: str) -> Task:
     from fedlora.tasks.causal_lm import CausalLM
     from fedlora.tasks.image import ImageClassification
+    from fedlora.tasks.text_classification import TextClassification
 
-    tasks = {ImageClassification.name: ImageClassification(), CausalLM.name: CausalLM()}
+    tasks = {task.name: task for task in (ImageClassification(), CausalLM(), TextClassification())}
     return tasks[name]
 
 

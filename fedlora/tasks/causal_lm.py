@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fedlora.models import PACKAGED_TOKENIZERS, model_spec
+from fedlora.models import PACKAGED_TOKENIZERS, architecture, model_spec
 from fedlora.tasks import Task
-from fedlora.text import (BIBLE_KJV, TEXT_DATASETS, TEXT_PARTITIONERS, bible_unavailable_reason, load_tokenizer,
+from fedlora.text import (BIBLE_KJV, TEXT_DATASETS, TEXT_PARTITIONERS, TextTokenizer, bible_unavailable_reason, load_tokenizer,
                           partition_units, text_dir_units, text_splits, to_device_tokens, tokenized_units)
 
 
@@ -30,7 +30,7 @@ class CausalLM(Task):
             problems.append(f"num-classes is for classifiers: {config.model} predicts the next token (set "
                             "num-classes = 0).")
         if config.image_column or config.label_column:
-            problems.append(f"image-column and label-column name an image dataset's columns; {config.model} reads "
+            problems.append(f"image-column and label-column name a classifier's columns; {config.model} reads "
                             "text (text-column, client-column).")
         if config.dataset == BIBLE_KJV and (config.text_column or config.client_column):
             problems.append("text-column and client-column name the columns of an hf: or folder: dataset; bible-kjv "
@@ -49,13 +49,7 @@ class CausalLM(Task):
     def check_before_start(self, config) -> None:
         if config.dataset == BIBLE_KJV and (reason := bible_unavailable_reason()):
             raise ValueError(reason)
-        tokenizer = load_tokenizer(tokenizer_of(config))
-        vocab = _vocab_size(config.model)
-        if tokenizer.vocab_size > vocab:
-            raise ValueError(f"The tokenizer '{config.tokenizer or model_spec(config.model).tokenizer}' has "
-                             f"{tokenizer.vocab_size} tokens, more than {config.model}'s {vocab}: its ids would fall "
-                             "outside the model's embedding (use the model's own tokenizer: tokenizer = \"\").")
-        tokenizer.eos_id  # raises if there is none to pack texts with
+        check_tokenizer_fits(config).eos_id  # raises if there is none to pack texts with
         splits = text_splits(config.dataset, text_column=config.text_column, client_column=config.client_column)
         if config.num_clients > len(splits.train):
             raise ValueError(f"{config.dataset} has {len(splits.train)} units of training text (chapters, files or "
@@ -119,6 +113,18 @@ def _token_losses(model, batch, *, guesses: bool = False):
     return (token, predicted, scores.argmax(-1)) if guesses else (token, predicted)
 
 
+def check_tokenizer_fits(config) -> TextTokenizer:
+    """The run's tokenizer, once its ids are known to fall inside the model's embedding (ValueError, one sentence,
+    if not)."""
+    tokenizer = load_tokenizer(tokenizer_of(config))
+    vocab = _vocab_size(config.model)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"The tokenizer '{config.tokenizer or model_spec(config.model).tokenizer}' has "
+                         f"{tokenizer.vocab_size} tokens, more than {config.model}'s {vocab}: its ids would fall "
+                         "outside the model's embedding (use the model's own tokenizer: tokenizer = \"\").")
+    return tokenizer
+
+
 def tokenizer_of(config) -> str:
     """The run's tokenizer as ``load_tokenizer`` reads it: tokenizer, else the model's (a packaged one by its path)."""
     name = config.tokenizer or model_spec(config.model).tokenizer
@@ -141,16 +147,14 @@ def _checked_tokenizer(name: str) -> Path:
     return path
 
 
-def _architecture(model: str) -> dict:
-    spec = model_spec(model)
-    return dict(model_spec(spec.random_twin).overrides if spec.random_twin else spec.overrides)
-
-
 def _max_positions(model: str) -> int | None:
-    arch = _architecture(model)
+    arch = architecture(model)
     return arch.get("n_positions") or arch.get("max_position_embeddings") or (1024 if model_spec(model).family ==
                                                                                "gpt2" else None)
 
 
 def _vocab_size(model: str) -> int:
-    return _architecture(model).get("vocab_size", 50257)
+    """The model's vocabulary (the hub models' defaults: GPT-2's, BERT's, RoBERTa's, DistilBERT's)."""
+    default = {"gpt2": 50257, "bert": 30522, "roberta": 50265, "distilbert": 30522}.get(model_spec(model).family,
+                                                                                        32000)
+    return architecture(model).get("vocab_size", default)
