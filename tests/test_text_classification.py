@@ -266,3 +266,21 @@ def test_a_bad_hf_model_is_one_line_and_exit_2(capsys, tmp_path, model, message)
     assert main(["run", "--set", f"model={model.format(tmp=tmp_path)}", "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
+
+
+def test_a_node_reads_its_own_labelled_text_by_the_runs_class_names(tmp_path):
+    """A deployed SuperNode's data-dir: a subfolder of .txt files per class, each class one of the run's (the labels
+    are the run's indices, whatever classes the node lacks); a class the run does not have is one line."""
+    from fedlora.config import RunConfig
+    from fedlora.node import NodeSettings
+
+    config = RunConfig.from_mapping({"model": "bert-tiny", "dataset": f"folder:{_class_folders(tmp_path / 'd')}",
+                                     "num-clients": 6, "clients-per-round": 3, "seq-len": 16})
+    _write(tmp_path / "own" / "sky" / "a.txt", "star moon")
+    _write(tmp_path / "own" / "sky" / "b.txt", "cloud rain wind")
+    _write(tmp_path / "own" / "land" / "c.txt", "farm road")
+    own = TC.train_data(config, NodeSettings(partition_id=0, num_partitions=1, data_dir=str(tmp_path / "own")), "cpu")
+    assert sorted(own.labels.tolist()) == [0, 2, 2] and len(own) == 3  # land is class 0, sky class 2
+    _write(tmp_path / "own" / "moon" / "d.txt", "crater")
+    with pytest.raises(ValueError, match="class folder 'moon' is not one of the run's classes"):
+        TC.train_data(config, NodeSettings(partition_id=0, num_partitions=1, data_dir=str(tmp_path / "own")), "cpu")
