@@ -136,13 +136,19 @@ def user_text(name: str, *, text_column: str = "", client_column: str = "") -> T
     return TextSplits(tuple(train), tuple(test))
 
 
-def _hub_splits(name: str) -> tuple:
-    """(train, test or None) of "hf:<id>": its train split (or its only one), and its test or validation split."""
+def _hub_splits(name: str, label_column: str = "") -> tuple:
+    """(train, test or None) of "hf:<id>": its train split (or its only one), and its test or validation split; with
+    a label column, a split whose labels are all negative (GLUE's unlabelled test splits hold -1) is not a test."""
     raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
     train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
     if train is None:
         raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
-    return train, next((raw[s] for s in ("test", "validation") if s in raw), None)
+
+    def labelled(split) -> bool:
+        if not label_column or label_column not in split.column_names:
+            return True
+        return any(not (isinstance(v, int) and v < 0) for v in split[label_column])
+    return train, next((raw[s] for s in ("test", "validation") if s in raw and labelled(raw[s])), None)
 
 
 def _folder_splits(name: str) -> tuple[Path, Path | None]:
@@ -434,8 +440,8 @@ def labelled_text(name: str, *, text_column: str = "", label_column: str = "", c
     if name.startswith(HUB_PREFIX):
         import datasets
 
-        hub = _hub_splits(name)
-        label = _labels_column(name, hub[0].column_names, label_column)
+        label = _labels_column(name, _hub_splits(name)[0].column_names, label_column)
+        hub = _hub_splits(name, label)
         if isinstance(hub[0].features[label], datasets.ClassLabel):
             names = list(hub[0].features[label].names)
         splits = [_rows_examples(name, list(split), text_column, label, client_column) if split is not None else None

@@ -145,6 +145,11 @@ def test_a_hub_style_dataset_reads_its_text_and_label_columns(tmp_path):
     text = labelled_text(f"hf:{tmp_path / 'hub'}")
     assert text.classes == ("0", "1", "2") and [t for t, _, _ in text.train][:2] == ["row 0", "row 1"]
     assert text.test == (("held", 2, None),)
+    # an unlabelled test split (GLUE's: every label -1) gives way to the validation split
+    _write(tmp_path / "glue" / "train.jsonl", (tmp_path / "hub" / "train.jsonl").read_text())
+    _write(tmp_path / "glue" / "test.jsonl", json.dumps({"sentence": "unknown", "label": -1}))
+    _write(tmp_path / "glue" / "validation.jsonl", json.dumps({"sentence": "checked", "label": 1}))
+    assert labelled_text(f"hf:{tmp_path / 'glue'}").test == (("checked", 1, None),)
 
 
 @pytest.mark.parametrize("kind", ["iid", "dirichlet", "pathological"])
