@@ -174,3 +174,23 @@ def test_a_crashed_language_model_run_resumes_to_the_uninterrupted_result(tmp_pa
     assert resumed.ledger.rounds == reference.ledger.rounds == 4 and resumed.ledger.epsilon == reference.ledger.epsilon
     for name, t in reference.state.message.items():
         torch.testing.assert_close(resumed.state.message[name], t, rtol=1e-5, atol=1e-6)
+
+
+def test_the_canary_audit_runs_on_a_language_model_and_catches_a_non_private_strategy(tmp_path):
+    """The audit's canaries live in the message (directions in LoRA's factors), which does not depend on the task:
+    a text federation without noise shows them, one with noise stays below its own ledger."""
+    from fedlora.config import RunConfig
+    from fedlora.strategies.canary_audit import audit_federation
+
+    text = _text_folder(tmp_path / "text", files=150)
+    base = {"model": "gpt2-tiny", "dataset": f"folder:{text}", "partitioner": "natural", "head": "frozen",
+            "num-clients": 120, "clients-per-round": 20, "num-rounds": 3, "eval-every": 3, "local-steps": 2,
+            "batch-size": 4, "seq-len": 16, "sketch-dim": 16, "noise-placement": "client", "message": "adapter"}
+    open_run = audit_federation(RunConfig.from_mapping({**base, "strategy": "ffa-lora"}), 100, tmp_path / "open",
+                                echo=lambda line: None)
+    assert open_run.auc > 0.6 and open_run.empirical_epsilon > 0.5 and open_run.accountant_epsilon == math.inf
+    private = audit_federation(RunConfig.from_mapping({**base, "strategy": "sgmm-ffa-lora"}), 100, tmp_path / "dp",
+                               echo=lambda line: None)
+    assert private.empirical_epsilon < private.accountant_epsilon <= 8.0 + 1e-9
+    rows = [json.loads(line) for line in (tmp_path / "dp" / "metrics.jsonl").read_text().splitlines()]
+    assert "perplexity" in rows[-1]  # the run evaluated as a language model
