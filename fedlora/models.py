@@ -240,9 +240,9 @@ def _hub_spec(name: str) -> ModelSpec:
     if model_type not in HUB_FAMILIES:
         raise ValueError(f"{name} is a '{model_type}' model; fedlora adapts {', '.join(sorted(HUB_FAMILIES))}.")
     family = HUB_FAMILIES[model_type]
-    return ModelSpec(family, str(Path(source).expanduser()) if is_local(source) else source, 0, True,
-                     task=TEXT_CLASSIFICATION if family in SEQUENCE_CLASSIFIERS else CAUSAL_LM,
-                     tokenizer=str(Path(source).expanduser()) if is_local(source) else source)
+    source = str(Path(source).expanduser().resolve()) if is_local(source) else source
+    return ModelSpec(family, source, 0, True, task=TEXT_CLASSIFICATION if family in SEQUENCE_CLASSIFIERS else CAUSAL_LM,
+                     tokenizer=source)
 
 
 @lru_cache(maxsize=8)
@@ -266,7 +266,7 @@ def architecture(model: str) -> dict:
     """The model's architecture settings (its own, its random twin's, or the checkpoint's config); {} for a named
     hub model without overrides (transformers' defaults are its own)."""
     if model.startswith(HUB_MODEL_PREFIX):
-        return hub_architecture(model)
+        return dict(hub_architecture(model))  # a copy: the cache's stays as read
     spec = model_spec(model)
     return dict(model_spec(spec.random_twin).overrides if spec.random_twin else spec.overrides)
 
@@ -281,7 +281,7 @@ def build_backbone(name: str, *, num_classes: int, seed: int = 0) -> nn.Module:
     if num_classes < 2 and spec.task != CAUSAL_LM:
         raise ValueError(f"A classifier needs at least 2 classes, got {num_classes}.")
     if torch.get_default_device().type == "meta" and name.startswith(HUB_MODEL_PREFIX):
-        return _from_config(spec, name, num_classes)  # shapes only: the checkpoint's architecture, no weights
+        return _from_config(spec, num_classes)  # shapes only: the checkpoint's architecture, no weights
     if spec.pretrained and not is_local(spec.source) and not offline_requested() and (reason := unreachable_reason()):
         raise _unavailable(spec, f"{reason}; set HF_HUB_OFFLINE=1 to use weights already in your HF cache")
     if spec.packaged:
@@ -385,7 +385,7 @@ def _causal_lm(spec: ModelSpec) -> nn.Module:
     return model
 
 
-def _from_config(spec: ModelSpec, name: str, num_classes: int) -> nn.Module:
+def _from_config(spec: ModelSpec, num_classes: int) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     config = AutoConfig.from_pretrained(spec.source)
@@ -396,19 +396,22 @@ def _from_config(spec: ModelSpec, name: str, num_classes: int) -> nn.Module:
 
 
 def _sequence_classifier(spec: ModelSpec, num_classes: int) -> nn.Module:
-    """A transformers sequence classifier with a fresh ``num_classes``-way head, without dropout (as ``_causal_lm``)."""
+    """A transformers sequence classifier with a ``num_classes``-way head (fresh, unless a checkpoint has one of that
+    size: a fine-tuned classifier goes on from its own), without dropout (as ``_causal_lm``)."""
     import transformers
 
     kinds = {"bert": "Bert", "roberta": "Roberta", "distilbert": "DistilBert"}[spec.family]
     if spec.pretrained:
-        try:
+        try:  # a checkpoint's own head of another size is replaced by a fresh one (seeded above)
             model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                spec.source, num_labels=num_classes, attn_implementation="sdpa")
-        except (OSError, ValueError) as error:
+                spec.source, num_labels=num_classes, attn_implementation="sdpa", ignore_mismatched_sizes=True)
+        except (OSError, ValueError, RuntimeError) as error:
             raise _unavailable(spec, error) from None
     else:
+        # the packaged tokenizer pads with its end-of-text, id 0; a hub tokenizer's ids are its family's defaults
+        padding = {"pad_token_id": 0} if spec.tokenizer in PACKAGED_TOKENIZERS else {}
         config = getattr(transformers, f"{kinds}Config")(**dict(spec.overrides), num_labels=num_classes,
-                                                       pad_token_id=0, attn_implementation="sdpa")
+                                                       attn_implementation="sdpa", **padding)
         model = getattr(transformers, f"{kinds}ForSequenceClassification")(config)
     for module in model.modules():
         if isinstance(module, nn.Dropout):

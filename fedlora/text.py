@@ -44,6 +44,7 @@ CLIENT_COLUMNS = ("user", "user_id", "client", "client_id", "author", "writer", 
 LABEL_COLUMNS = ("label", "labels", "class", "category")  # a classifier's labels, recognized without label-column
 TEXT_PARTITIONERS = ("natural", "iid")
 EOS = "<|endoftext|>"
+PAD_TOKENS = ("[PAD]", "<pad>", EOS)  # a tokenizers file's padding token (BERT's, RoBERTa's, GPT-2's end-of-text)
 
 
 class TextUnavailableError(ValueError):
@@ -262,8 +263,13 @@ class TextTokenizer:
     @property
     def pad_id(self) -> int:
         """The id padding is filled with (masked out wherever it is): the tokenizer's pad token, else end-of-text."""
-        found = getattr(self.backend, "pad_token_id", None)
-        return found if found is not None else self.eos_id
+        if hasattr(self.backend, "token_to_id"):  # a tokenizers file: its pad token by the usual names
+            found = next((i for t in PAD_TOKENS if (i := self.backend.token_to_id(t)) is not None), None)
+        else:
+            found = self.backend.pad_token_id if self.backend.pad_token_id is not None else self.backend.eos_token_id
+        if found is None:
+            raise ValueError(f"The tokenizer '{self.name}' has no padding or end-of-text token to pad examples with.")
+        return found
 
     def encode(self, texts: Sequence[str], *, special: bool = False, max_length: int | None = None) -> list[list[int]]:
         """Each text's ids, at most ``max_length``; ``special``: with the tokens a hub tokenizer adds around one
@@ -456,11 +462,15 @@ def labelled_text(name: str, *, text_column: str = "", label_column: str = "", c
     if test is None:
         train, test = _held_out(name, train)
     classes = _classes(name, train, names)
-    index = {c: i for i, c in enumerate(classes)}
+    # a ClassLabel's examples hold its indices, the others their names (whole numbers as their strings)
+    index = {str(i): i for i in range(len(classes))} if names is not None else {c: i for i, c in enumerate(classes)}
     if unknown := sorted({str(label) for _, label, _ in test} - set(index)):
         raise ValueError(f"{name}'s test split has labels its train split lacks: {', '.join(unknown[:5])}.")
     if len(classes) < 2:
         raise ValueError(f"{name} has 1 class ({classes[0]}); a classifier needs at least 2.")
+    if not test:
+        raise ValueError(f"{name} has no test examples (each class has one example, or its test split is empty): add "
+                         "examples, or a test/ folder.")
     as_index = lambda examples: tuple((t, index[str(label)], c) for t, label, c in examples)  # noqa: E731
     return LabelledText(as_index(train), as_index(test), tuple(classes))
 
@@ -505,9 +515,9 @@ def _folder_examples(name: str, folder: Path, text_column: str, label_column: st
     files of labelled rows."""
     classes = sorted(d for d in folder.iterdir() if d.is_dir() and d.name not in ("train", "test"))
     if classes:
-        if label_column or client_column:
-            raise ValueError(f"{name}: class subfolders name the labels (one example a file): label-column and "
-                             "client-column name JSON-lines fields.")
+        if label_column or client_column or text_column:
+            raise ValueError(f"{name}: class subfolders name the labels (one example a file): text-column, "
+                             "label-column and client-column name JSON-lines fields.")
         examples = []
         for directory in classes:
             files = sorted(p for p in directory.rglob("*") if p.is_file() and p.suffix.lower() in TEXT_SUFFIXES)

@@ -145,6 +145,17 @@ def test_a_hub_style_dataset_reads_its_text_and_label_columns(tmp_path):
     text = labelled_text(f"hf:{tmp_path / 'hub'}")
     assert text.classes == ("0", "1", "2") and [t for t, _, _ in text.train][:2] == ["row 0", "row 1"]
     assert text.test == (("held", 2, None),)
+    # a ClassLabel's names are the classes, its indices the labels (parquet keeps the feature, as the hub's files do)
+    import datasets
+
+    features = datasets.Features({"sentence": datasets.Value("string"),
+                                  "label": datasets.ClassLabel(names=["neg", "pos"])})
+    (tmp_path / "sst").mkdir()
+    for split, rows in (("train", [("bad", 0), ("good", 1), ("fine", 1)]), ("test", [("awful", 0)])):
+        datasets.Dataset.from_dict({"sentence": [t for t, _ in rows], "label": [y for _, y in rows]},
+                                   features=features).to_parquet(str(tmp_path / "sst" / f"{split}.parquet"))
+    sst = labelled_text(f"hf:{tmp_path / 'sst'}")
+    assert sst.classes == ("neg", "pos") and [y for _, y, _ in sst.train] == [0, 1, 1] and sst.test == (("awful", 0, None),)
     # an unlabelled test split (GLUE's: every label -1) gives way to the validation split
     _write(tmp_path / "glue" / "train.jsonl", (tmp_path / "hub" / "train.jsonl").read_text())
     _write(tmp_path / "glue" / "test.jsonl", json.dumps({"sentence": "unknown", "label": -1}))
@@ -178,6 +189,10 @@ def test_label_partitions_cover_every_example_once(tmp_path, kind):
      "labels mix names and numbers (1, a): use one kind."),
     ({"train/a/x.txt": "s", "train/b/y.txt": "l", "test/c/z.txt": "k"}, {},
      "test split has labels its train split lacks: c."),
+    ({"a/x.txt": "sea", "b/y.txt": "land"}, {}, "has no test examples (each class has one example, or its test split "
+                                                "is empty): add examples, or a test/ folder."),
+    ({"a/x.txt": "sea", "b/y.txt": "land"}, {"text_column": "body"}, "class subfolders name the labels (one example a "
+     "file): text-column, label-column and client-column name JSON-lines fields."),
     ({"a.csv": "x"}, {}, "holds no labelled text: expected a subfolder of .txt files per class, or .jsonl files with "
                          "a text and a label field."),
 ])
@@ -289,3 +304,39 @@ def test_a_node_reads_its_own_labelled_text_by_the_runs_class_names(tmp_path):
     _write(tmp_path / "own" / "moon" / "d.txt", "crater")
     with pytest.raises(ValueError, match="class folder 'moon' is not one of the run's classes"):
         TC.train_data(config, NodeSettings(partition_id=0, num_partitions=1, data_dir=str(tmp_path / "own")), "cpu")
+    # a node that holds only its own text names its classes 0..K-1, as for images, with num-classes set
+    elsewhere = RunConfig.from_mapping({**config.to_mapping(), "dataset": f"folder:{tmp_path / 'not-here'}",
+                                        "num-classes": 3})
+    _write(tmp_path / "indexed" / "2" / "a.txt", "star moon")
+    _write(tmp_path / "indexed" / "0" / "b.txt", "farm road")
+    own = TC.train_data(elsewhere, NodeSettings(partition_id=0, num_partitions=1, data_dir=str(tmp_path / "indexed")),
+                        "cpu")
+    assert sorted(own.labels.tolist()) == [0, 2]
+    with pytest.raises(ValueError, match="cannot read the run's dataset .* set num-classes"):
+        TC.train_data(RunConfig.from_mapping({**elsewhere.to_mapping(), "num-classes": 0}),
+                      NodeSettings(partition_id=0, num_partitions=1, data_dir=str(tmp_path / "indexed")), "cpu")
+
+
+def test_a_fine_tuned_checkpoint_keeps_its_head_of_the_runs_size_and_gets_a_fresh_one_of_another(tmp_path):
+    """A classifier checkpoint by hf: whose head has as many classes as the run goes on from it; one of another size
+    gets a fresh head (no traceback)."""
+    import transformers
+
+    saved = build_backbone("bert-tiny", num_classes=2, seed=7)
+    saved.save_pretrained(tmp_path / "two")
+    same = build_backbone(f"hf:{tmp_path / 'two'}", num_classes=2)
+    other = build_backbone(f"hf:{tmp_path / 'two'}", num_classes=3)
+    assert torch.equal(same.classifier.weight, saved.classifier.weight)
+    assert other.classifier.weight.shape == (3, 128) and isinstance(other, transformers.BertForSequenceClassification)
+    assert torch.equal(other.bert.embeddings.word_embeddings.weight, saved.bert.embeddings.word_embeddings.weight)
+
+
+def test_a_hub_familys_random_twin_pads_with_its_tokenizers_id():
+    """roberta-base-random is padded as RoBERTa's tokenizer pads (<pad> = 1, <s> = 0), the tiny ones with the packaged
+    tokenizer's end-of-text (0); RoBERTa's 514 positions leave 512 for tokens."""
+    from fedlora.tasks.text_classification import max_positions
+
+    with torch.device("meta"):
+        assert build_backbone("roberta-base-random", num_classes=2).config.pad_token_id == 1
+    assert build_backbone("roberta-tiny", num_classes=2).config.pad_token_id == 0
+    assert max_positions("roberta-base-random") == 512 and max_positions("roberta-tiny") == 256

@@ -45,7 +45,7 @@ class TextClassification(Task):
     def check_before_start(self, config) -> None:
         from fedlora.tasks.causal_lm import check_tokenizer_fits
 
-        check_tokenizer_fits(config)
+        check_tokenizer_fits(config).pad_id  # raises if there is nothing to pad examples with
         text = _text(config)
         if config.num_classes and config.num_classes != len(text.classes):
             raise ValueError(f"{config.dataset} has {len(text.classes)} classes, but num-classes = "
@@ -53,22 +53,22 @@ class TextClassification(Task):
         units = len({c for _, _, c in text.train}) if config.partitioner == "natural" and text.has_clients \
             else len(text.train)
         if config.num_clients > units:
-            raise ValueError(f"{config.dataset} has {units} {'writers' if config.partitioner == 'natural' else 'training examples'} "
-                             f"for num-clients = {config.num_clients}: set num-clients <= {units}.")
+            what = "writers" if config.partitioner == "natural" else "training examples"
+            raise ValueError(f"{config.dataset} has {units} {what} for num-clients = {config.num_clients}: set "
+                             f"num-clients <= {units}.")
         partition_examples(config.partitioner, text, num_partitions=config.num_clients, partition_id=0,
                            seed=config.seed, alpha=config.dirichlet_alpha)  # a natural split without writers: here
 
     def train_data(self, config, node, device):
-        """The node's own labelled text (data-dir: a subfolder of .txt files per class, named as the run's classes),
-        else its partition of the run's dataset, one example a block on ``device``."""
+        """The node's own labelled text (data-dir: a subfolder of .txt files per class, named as the run's classes, or
+        0..K-1), else its partition of the run's dataset, one example a block on ``device``."""
         from fedlora.tasks.causal_lm import tokenizer_of
 
-        text = _text(config)
         if node.data_dir:
-            index = {c: i for i, c in enumerate(text.classes)}
-            own = own_examples(node.data_dir, index)
+            own = own_examples(node.data_dir, _class_index(config))
             texts, labels = [t for t, _ in own], [label for _, label in own]
         else:
+            text = _text(config)
             rows = _partition(config, node.num_partitions, node.partition_id)
             texts, labels = [text.train[i][0] for i in rows], [text.train[i][1] for i in rows]
         return example_tokens(texts, labels, load_tokenizer(tokenizer_of(config)), config.seq_len, device=device)
@@ -114,6 +114,18 @@ def _text(config):
                          client_column=config.client_column)
 
 
+def _class_index(config) -> dict[str, int]:
+    """The run's class names and their indices: the run's dataset's where this node can read it, else 0..K-1 for
+    num-classes (a SuperNode with its own data only names its class folders by index, as for images)."""
+    try:
+        return {c: i for i, c in enumerate(_text(config).classes)}
+    except ValueError:
+        if not config.num_classes:
+            raise ValueError(f"This node cannot read the run's dataset {config.dataset} for its class names: set "
+                             "num-classes and name the data-dir's class folders 0..K-1.") from None
+        return {str(i): i for i in range(config.num_classes)}
+
+
 @functools.lru_cache(maxsize=2)
 def _partitions(config, num_partitions: int) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(partition_examples(config.partitioner, _text(config), num_partitions=num_partitions,
@@ -147,5 +159,6 @@ def own_examples(data_dir, index: dict[str, int]) -> list[tuple[str, int]]:
 
 def max_positions(model: str) -> int | None:
     """The positions a classifier's architecture embeds (RoBERTa's less the two its padding offset takes)."""
-    positions = architecture(model).get("max_position_embeddings") or 512
-    return positions - 2 if model_spec(model).family == "roberta" else positions
+    roberta = model_spec(model).family == "roberta"
+    positions = architecture(model).get("max_position_embeddings") or (514 if roberta else 512)  # the hub's
+    return positions - 2 if roberta else positions
