@@ -25,7 +25,7 @@ from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algo
 from fedlora.data import PARTITIONER_KINDS
 from fedlora.models import HUB_MODEL_PREFIX, MODELS, adapted_layer_shapes, model_spec
 from fedlora.tasks import task_of
-from fedlora.text import TEXT_DATASETS, TEXT_PARTITIONERS
+from fedlora.text import TEXT_DATASETS
 from fedlora.tracking import TRACKERS
 from fedlora.training import LOCAL_OPTIMIZERS, PRECISIONS
 
@@ -172,10 +172,11 @@ class RunConfig:
                                          "transformers checkpoint of a family fedlora adapts: GPT-2, LLaMA-style "
                                          "(LLaMA, Mistral, Qwen2/3, Gemma), BERT, RoBERTa, DistilBERT)",
                        choices=tuple(MODELS))
-    partitioner: str = _opt("iid", "how data is split over clients (text: natural, its units dealt to clients in "
-                                   "order, one each when there are as many clients as units; or iid, shuffled; a "
-                                   "text classifier's by label as images are, or natural by its client column)",
-                            choices=tuple(dict.fromkeys((*PARTITIONER_KINDS, *TEXT_PARTITIONERS))))
+    partitioner: str = _opt("iid", "how data is split over clients: iid; dirichlet or pathological by label; or "
+                                   "natural, each writer's data together (a chapter, a file, a client-column value), "
+                                   "writers dealt to clients in order, one each when there are as many clients as "
+                                   "writers (a language model's text: natural or iid over its units)",
+                            choices=PARTITIONER_KINDS)
     dirichlet_alpha: float = _opt(0.5, "Dirichlet concentration (smaller: more skew)", low=0.0, low_open=True)
     min_replies: int = _opt(0, "valid replies a round needs to be aggregated, else it is retried (0: half of "
                                 "clients-per-round, rounded up; under secure aggregation, where it is N_min, the "

@@ -80,7 +80,10 @@ VIT_STD = (0.5, 0.5, 0.5)
 
 SYNTHETIC_SPLITS = ("train", "test")
 SYNTHETIC_CLASSES = 10  # num-classes = 0 (the data's) on synthetic data
-PARTITIONER_KINDS = ("iid", "dirichlet", "pathological")
+PARTITIONER_KINDS = ("iid", "dirichlet", "pathological", "natural")  # natural: by a client column's values
+CLIENT_COLUMN = "client"  # the writer (user, device) of each row, where a dataset has one: the natural partition's
+CLIENT_COLUMNS = ("user", "user_id", "client", "client_id", "author", "writer", "writer_id", "speaker")  # without
+# client-column
 
 # flwr-datasets redraws the whole Dirichlet split while any partition is smaller than this and raises
 # a ValueError after 11 draws, so it always terminates. 1 keeps every client non-empty; the default
@@ -240,28 +243,32 @@ def is_user_dataset(name: str) -> bool:
 
 
 @functools.lru_cache(maxsize=4)
-def load_user_dataset(name: str, *, image_column: str = "", label_column: str = "") -> tuple[datasets.Dataset,
-                                                                                              datasets.Dataset]:
+def load_user_dataset(name: str, *, image_column: str = "", label_column: str = "",
+                      client_column: str = "") -> tuple[datasets.Dataset, datasets.Dataset]:
     """(train, test) of the user's own image-classification data, in CIFAR-100's schema: a Hugging Face dataset
     ("hf:<id>", read by ``datasets.load_dataset``) or a folder with one subfolder of images per class
     ("folder:<path>", read by the ``imagefolder`` builder; ``train/`` and ``test/`` subfolders, if there, are the
     splits). The image column is the one Image feature, the label column the one ClassLabel (else an integer
-    column named label, labels or fine_label), unless named. Without a test (or validation) split, a stratified
-    ``HELD_OUT_FRACTION`` of train is held out. Raises ValueError, one sentence, on anything that cannot be used."""
+    column named label, labels or fine_label), unless named. A client column (client-column, else one of
+    CLIENT_COLUMNS), where there is one, is kept in train as ``client``: the natural partition's. Without a test (or
+    validation) split, a stratified ``HELD_OUT_FRACTION`` of train is held out. Raises ValueError, one sentence, on
+    anything that cannot be used."""
     with _quiet_datasets():
         if name.startswith(HUB_PREFIX):
             raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
         else:
             raw = _folder_dataset(Path(name.removeprefix(FOLDER_PREFIX)).expanduser())
-        return _common_splits(name, raw, image_column, label_column)
+        return _common_splits(name, raw, image_column, label_column, client_column)
 
 
-def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str,
-                   label_column: str) -> tuple[datasets.Dataset, datasets.Dataset]:
+def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str, label_column: str,
+                   client_column: str = "") -> tuple[datasets.Dataset, datasets.Dataset]:
     train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
     if train is None:
         raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
     image, label = _image_column(name, train, image_column), _label_column(name, train, label_column)
+    found = [c for c in CLIENT_COLUMNS if c in train.column_names and c not in (image, label)]
+    client = _column(name, train, client_column, found, kind="client") if client_column or len(found) == 1 else None
     held_out = next((raw[s] for s in ("test", "validation") if s in raw), None)
     if isinstance(train.features[label], datasets.ClassLabel):
         names = list(train.features[label].names)
@@ -281,15 +288,16 @@ def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str,
                                   LABEL_COLUMN: datasets.ClassLabel(names=names),
                                   COARSE_LABEL_COLUMN: datasets.ClassLabel(names=names)})
 
-    def common_schema(split: datasets.Dataset) -> datasets.Dataset:
+    def common_schema(split: datasets.Dataset, writers: str | None = None) -> datasets.Dataset:
         if image not in split.column_names or label not in split.column_names:
             raise ValueError(f"{name}'s test split lacks the columns '{image}' and '{label}' of its train split.")
         split = split.select_columns([image, label]).rename_columns({image: IMAGE_COLUMN, label: LABEL_COLUMN})
         split = split.cast_column(IMAGE_COLUMN, datasets.Image(mode="RGB"))
         split = split.cast_column(LABEL_COLUMN, features[LABEL_COLUMN])
-        return split.add_column(COARSE_LABEL_COLUMN, split[LABEL_COLUMN]).cast(features)
+        split = split.add_column(COARSE_LABEL_COLUMN, split[LABEL_COLUMN]).cast(features)
+        return split.add_column(CLIENT_COLUMN, [str(v) for v in writers]) if writers is not None else split
 
-    train = common_schema(train)
+    train = common_schema(train, train[client] if client else None)
     if held_out is None:
         stratified = counts.min() >= 2 and math.ceil(HELD_OUT_FRACTION * len(train)) >= len(names)
         parts = train.train_test_split(test_size=HELD_OUT_FRACTION, seed=HELD_OUT_SEED,
@@ -357,10 +365,11 @@ def _column(name: str, train: datasets.Dataset, chosen: str, candidates: list[st
     return candidates[0]
 
 
-def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "") -> int:
+def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "", client_column: str = "") -> int:
     """How many classes a dataset has: fixed for the built-in ones, read off the data for the user's own."""
     if is_user_dataset(dataset):
-        train, _ = load_user_dataset(dataset, image_column=image_column, label_column=label_column)
+        train, _ = load_user_dataset(dataset, image_column=image_column, label_column=label_column,
+                                     client_column=client_column)
         return train.features[LABEL_COLUMN].num_classes
     return {"cifar100": len(FINE_LABEL_NAMES), "fashion-mnist": len(FASHION_MNIST_CLASSES)}.get(dataset,
                                                                                                 SYNTHETIC_CLASSES)
@@ -547,6 +556,8 @@ def make_partitioner(kind: str, *, num_partitions: int, dataset: datasets.Datase
         raise ValueError(f"Unknown partitioner {kind!r}; expected one of {', '.join(PARTITIONER_KINDS)}.")
     if num_partitions < 1:
         raise ValueError(f"Number of partitions must be at least 1, got {num_partitions}.")
+    if kind == "natural":
+        return NaturalPartitioner(dataset, num_partitions)
     if num_partitions > len(dataset):
         raise ValueError(f"Cannot split {len(dataset)} examples into {num_partitions} partitions.")
     if kind != "iid" and label_column not in dataset.column_names:
@@ -583,6 +594,37 @@ def make_partitioner(kind: str, *, num_partitions: int, dataset: datasets.Datase
                              f"{num_partitions} partitions {DIRICHLET_MIN_PARTITION_SIZE} or more examples; "
                              "raise alpha or use fewer partitions.") from err
     return partitioner
+
+
+def deal_units(units: int, num_partitions: int, partition_id: int) -> list[int]:
+    """The natural partition's rule: client c of C holds units c, c + C, c + 2C, ... (one each when there are as
+    many clients as units), so that no unit is split and no client holds another's."""
+    if num_partitions > units:
+        raise ValueError(f"The data has {units} units (writers, chapters or files) for {num_partitions} clients: "
+                         f"set num-clients <= {units}.")
+    if not 0 <= partition_id < num_partitions:
+        raise ValueError(f"Partition id {partition_id} is out of range for {num_partitions} partitions.")
+    return list(range(partition_id, units, num_partitions))
+
+
+class NaturalPartitioner:
+    """Partitions by the client column: each writer's rows stay together, writers dealt to the clients by
+    ``deal_units`` in the order they first appear. (flwr-datasets' NaturalIdPartitioner gives one partition per
+    writer; this deals them over fewer clients too.) Read as a flwr-datasets partitioner: ``load_partition``."""
+
+    def __init__(self, dataset: datasets.Dataset, num_partitions: int):
+        if CLIENT_COLUMN not in dataset.column_names:
+            raise ValueError("partitioner = \"natural\" needs a client column (client-column, or a user, writer, "
+                             "author, ... column): this dataset has none; use iid, dirichlet or pathological.")
+        units: dict[str, list[int]] = {}
+        for row, client in enumerate(dataset[CLIENT_COLUMN]):
+            units.setdefault(client, []).append(row)
+        self.units, self.dataset, self.num_partitions = list(units.values()), dataset, num_partitions
+        deal_units(len(self.units), num_partitions, 0)  # more clients than writers: one line, here
+
+    def load_partition(self, partition_id: int) -> datasets.Dataset:
+        rows = sorted(r for u in deal_units(len(self.units), self.num_partitions, partition_id) for r in self.units[u])
+        return self.dataset.select(rows)
 
 
 def load_partition(partitioner: Partitioner, partition_id: int) -> datasets.Dataset:
@@ -733,7 +775,7 @@ def load_split(config, split: str) -> datasets.Dataset:
         raise ValueError(f"Unknown split {split!r}; expected train or test.")
     if is_user_dataset(config.dataset):
         train, test = load_user_dataset(config.dataset, image_column=config.image_column,
-                                        label_column=config.label_column)
+                                        label_column=config.label_column, client_column=config.client_column)
         return train if split == "train" else test
     if config.dataset == "cifar100":
         return load_cifar100(split)

@@ -29,7 +29,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fedlora.data import FOLDER_PREFIX, HELD_OUT_FRACTION, HELD_OUT_SEED, HUB_PREFIX, _hub_dataset, _onto_device
+from fedlora.data import (CLIENT_COLUMN, CLIENT_COLUMNS, FOLDER_PREFIX, HELD_OUT_FRACTION, HELD_OUT_SEED, HUB_PREFIX,
+                          _hub_dataset, _onto_device, deal_units)
 
 BIBLE_KJV = "bible-kjv"
 FORTUNES = "fortunes"
@@ -40,7 +41,6 @@ FORTUNES_SKIPPED = ("ascii-art", "translate-me")  # pictures made of characters,
 TEXT_SUFFIXES = (".txt",)
 JSONL_SUFFIXES = (".jsonl", ".json")
 TEXT_COLUMNS = ("text", "content", "sentence", "document")  # recognized without text-column
-CLIENT_COLUMNS = ("user", "user_id", "client", "client_id", "author", "writer", "speaker")  # without client-column
 LABEL_COLUMNS = ("label", "labels", "class", "category")  # a classifier's labels, recognized without label-column
 TEXT_PARTITIONERS = ("natural", "iid")
 EOS = "<|endoftext|>"
@@ -228,13 +228,13 @@ def partition_units(kind: str, *, units: int, num_partitions: int, partition_id:
     if kind not in TEXT_PARTITIONERS:
         raise ValueError(f"Text is partitioned by its units: partitioner must be one of {', '.join(TEXT_PARTITIONERS)}"
                          f", got '{kind}'.")
+    if kind == "natural":
+        return deal_units(units, num_partitions, partition_id)
     if num_partitions > units:
         raise ValueError(f"The text has {units} units (chapters, files or users) for {num_partitions} clients: set "
                          f"num-clients <= {units}.")
     if not 0 <= partition_id < num_partitions:
         raise ValueError(f"Partition id {partition_id} is out of range for {num_partitions} partitions.")
-    if kind == "natural":
-        return list(range(partition_id, units, num_partitions))
     order = np.random.default_rng(seed).permutation(units)
     return sorted(np.array_split(order, num_partitions)[partition_id].tolist())
 
@@ -595,26 +595,17 @@ def _classes(name: str, train: list, names: list[str] | None) -> list[str]:
 
 def partition_examples(kind: str, text: LabelledText, *, num_partitions: int, partition_id: int, seed: int = 0,
                        alpha: float = 0.5) -> list[int]:
-    """The train examples of one partition: "natural" deals the client column's units (one writer's examples
-    each) as ``partition_units`` does; "iid", "dirichlet" and "pathological" split by label with fedlora.data's
-    flwr-datasets partitioners."""
-    if kind == "natural":
-        if not text.has_clients:
-            raise ValueError("partitioner = \"natural\" needs a client column (client-column, or a user, author, "
-                             "... field): this text has none; use iid, dirichlet or pathological.")
-        units: dict[str, list[int]] = {}
-        for i, (_, _, client) in enumerate(text.train):
-            units.setdefault(client, []).append(i)
-        rows = list(units.values())
-        return sorted(i for u in partition_units("natural", units=len(rows), num_partitions=num_partitions,
-                                                 partition_id=partition_id, seed=seed) for i in rows[u])
+    """The train examples of one partition, by fedlora.data's partitioners: "natural" deals the writers (a client
+    column's values, each writer's examples together), "iid", "dirichlet" and "pathological" split by label."""
     import datasets
 
     from fedlora.data import LABEL_COLUMN, load_partition, make_partitioner
 
-    table = datasets.Dataset.from_dict({"row": list(range(len(text.train))),
-                                        LABEL_COLUMN: [label for _, label, _ in text.train]})
-    partitioner = make_partitioner(kind, num_partitions=num_partitions, dataset=table, alpha=alpha, seed=seed)
+    table = {"row": list(range(len(text.train))), LABEL_COLUMN: [label for _, label, _ in text.train]}
+    if text.has_clients:
+        table[CLIENT_COLUMN] = [client for _, _, client in text.train]
+    partitioner = make_partitioner(kind, num_partitions=num_partitions, dataset=datasets.Dataset.from_dict(table),
+                                   alpha=alpha, seed=seed)
     return sorted(load_partition(partitioner, partition_id)["row"])
 
 

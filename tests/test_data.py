@@ -621,6 +621,56 @@ def test_a_hub_dataset_by_id_with_its_columns_detected_or_named(monkeypatch, fre
     assert train.features[LABEL_COLUMN].names == ["0", "1"] and len(train) + len(test) == 6
 
 
+def test_a_hub_dataset_with_a_writer_column_is_partitioned_by_writer(monkeypatch, fresh_user_datasets, tmp_path,
+                                                                    capsys):
+    """FEMNIST-style: a column of writers (found by name, or named by client-column) is kept in train, and the
+    natural partition gives each client its writers' images, writers dealt in the order they first appear; a dataset
+    without one, or with fewer writers than clients, is one line before any work."""
+    import fedlora.data as data_module
+    from fedlora.cli import main
+    from fedlora.config import load_config
+    from fedlora.data import CLIENT_COLUMN, load_partition, load_user_dataset, make_partitioner
+
+    monkeypatch.setattr(data_module, "_hub_offline_reason", lambda: None)
+    hub = hub_dict([0, 1, 2] * 6, names=["a", "b", "c"])
+    hub["train"] = hub["train"].add_column("writer_id", [f"w{i % 5}" for i in range(18)])
+    named = datasets.DatasetDict({"train": hub["train"].rename_column("writer_id", "hand"), "test": hub["test"]})
+    monkeypatch.setattr(datasets, "load_dataset", lambda name: {"me/femnist": hub, "me/hands": named,
+                                                                 "me/plain": hub_dict([0, 1] * 6, names=["x", "y"])}[name])
+    train, test = load_user_dataset("hf:me/femnist")
+    assert train[CLIENT_COLUMN] == [f"w{i % 5}" for i in range(18)] and CLIENT_COLUMN not in test.column_names
+    partitioner = make_partitioner("natural", num_partitions=2, dataset=train)
+    parts = [load_partition(partitioner, p) for p in range(2)]
+    assert [sorted(set(p[CLIENT_COLUMN])) for p in parts] == [["w0", "w2", "w4"], ["w1", "w3"]]
+    assert sum(map(len, parts)) == 18
+    assert load_user_dataset("hf:me/hands", client_column="hand")[0][CLIENT_COLUMN][:2] == ["w0", "w1"]
+    config = load_config(None, ["dataset=hf:me/femnist", "partitioner=natural", "num-clients=5",
+                                "clients-per-round=2"])
+    config.task.check_before_start(config)  # five writers for five clients
+    from flwr.app import Context, RecordDict
+
+    from fedlora.clients.app import app as client_app
+    from fedlora.strategies.inprocess_grid import InProcessGrid
+    from fedlora.strategies.server_app import run_federation
+
+    run = {**config.to_mapping(), "model": "vit-tiny", "num-rounds": 1, "local-steps": 1, "batch-size": 2,
+           "out-dir": str(tmp_path / "natural")}
+    strategy = run_federation(InProcessGrid(client_app, 5, run), Context(run_id=1, node_id=0, node_config={},
+                                                                         state=RecordDict(), run_config=run),
+                              echo=lambda line: None)
+    assert strategy.ledger.rounds == 1  # a round of clients each training on its own writer's images
+    capsys.readouterr()  # the round's log
+    for sets, message in ((["dataset=hf:me/femnist", "num-clients=6"], "The data has 5 units"),
+                          (["dataset=hf:me/plain"], 'partitioner = "natural" needs a client column'),
+                          (["dataset=hf:me/hands", "client-column=pen"], "has no column 'pen' (client-column)"),
+                          (["dataset=synthetic"], "synthetic has none: use iid, dirichlet or pathological.")):
+        args = ["run", "--set", "partitioner=natural", "--set", "num-clients=5", "--set", "clients-per-round=2",
+                "--out", str(tmp_path / "run")]
+        assert main([*args, *(x for s in sets for x in ("--set", s))]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1 and not (tmp_path / "run").exists(), err
+
+
 def test_a_hub_dataset_with_two_image_columns_needs_image_column(monkeypatch, fresh_user_datasets):
     import fedlora.data as data_module
     from fedlora.data import load_user_dataset

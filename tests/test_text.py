@@ -98,7 +98,7 @@ def test_natural_partitions_deal_units_in_order_and_iid_ones_shuffle_them():
         [[0, 3, 6], [1, 4], [2, 5]]
     shares = [partition_units("iid", units=7, num_partitions=3, partition_id=p, seed=1) for p in range(3)]
     assert sorted(sum(shares, [])) == list(range(7)) and shares != [[0, 1, 2], [3, 4], [5, 6]]
-    with pytest.raises(ValueError, match="The text has 7 units .* for 8 clients: set num-clients <= 7."):
+    with pytest.raises(ValueError, match="The data has 7 units .* for 8 clients: set num-clients <= 7."):
         partition_units("natural", units=7, num_partitions=8, partition_id=0)
 
 
@@ -128,7 +128,7 @@ def test_a_trained_tokenizer_splits_its_own_text_into_fewer_tokens_than_bytes():
     (["partitioner=dirichlet"], "Text is split over clients by its units (chapters, files, users): partitioner must "
                                 "be natural or iid, got 'dirichlet'."),
     (["head=probe"], 'head = "probe" trains a classifier head first; gpt2-tiny-public has none'),
-    (["model=vit-tiny", "dataset=synthetic"], 'partitioner = "natural" gives each client its own units of text'),
+    (["model=vit-tiny", "dataset=synthetic"], 'partitioner = "natural" gives each client its writers\' images'),
 ])
 def test_a_bad_text_config_is_one_line_and_exit_2_before_any_work(capsys, tmp_path, sets, message):
     args = ["run", "--config", "bible", "--out", str(tmp_path / "run")]

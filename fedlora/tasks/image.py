@@ -22,7 +22,8 @@ class ImageClassification(Task):
     def classes(self, config) -> int:
         """num-classes, else the data's (read off the data for hf: and folder:)."""
         return config.num_classes or dataset_classes(config.dataset, image_column=config.image_column,
-                                                     label_column=config.label_column)
+                                                     label_column=config.label_column,
+                                                     client_column=config.client_column)
 
     def problems(self, config) -> list[str]:
         problems = []
@@ -36,12 +37,14 @@ class ImageClassification(Task):
                             f"{config.dataset} has its own.")
         if config.num_classes == 1:
             problems.append("num-classes must be 0 (the data's) or at least 2, got 1.")
-        if config.partitioner == "natural":
-            problems.append("partitioner = \"natural\" gives each client its own units of text (chapters, files, "
-                            "users); images are split by iid, dirichlet or pathological.")
-        if config.text_column or config.client_column:
-            problems.append("text-column and client-column name the columns of text for a language model; "
-                            f"{config.model} classifies images.")
+        if config.partitioner == "natural" and not is_user_dataset(config.dataset):
+            problems.append(f"partitioner = \"natural\" gives each client its writers' images (a client column of an "
+                            f"hf: or folder: dataset); {config.dataset} has none: use iid, dirichlet or pathological.")
+        if config.client_column and not is_user_dataset(config.dataset):
+            problems.append(f"client-column names a column of an hf: or folder: dataset; {config.dataset} has none.")
+        if config.text_column:
+            problems.append(f"text-column names the column of text for a language model; {config.model} classifies "
+                            "images.")
         if problems:
             return problems
         if config.dataset == "synthetic" and config.train_examples < config.num_clients:
@@ -64,10 +67,12 @@ class ImageClassification(Task):
             raise ValueError(reason)
         if is_user_dataset(config.dataset):  # read now (cached for the run): a bad column or class is one line here
             found = dataset_classes(config.dataset, image_column=config.image_column,
-                                    label_column=config.label_column)
+                                    label_column=config.label_column, client_column=config.client_column)
             if config.num_classes and config.num_classes != found:
                 raise ValueError(f"{config.dataset} has {found} classes, but num-classes = {config.num_classes}: set "
                                  f"num-classes = {found}, or 0 (the data's).")
+            if config.partitioner == "natural":  # no client column, or fewer writers than clients: here
+                _partitioner(config, config.num_clients)
 
     def train_data(self, config, node, device):
         """The node's own images (data-dir), else its partition of the run's dataset, decoded onto ``device``."""

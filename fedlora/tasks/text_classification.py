@@ -13,7 +13,6 @@ from fedlora.models import architecture, model_spec
 from fedlora.tasks import Task
 from fedlora.text import example_tokens, labelled_text, load_tokenizer, partition_examples, text_dir_units
 
-PARTITIONERS = (*PARTITIONER_KINDS, "natural")
 
 
 class TextClassification(Task):
@@ -34,8 +33,8 @@ class TextClassification(Task):
                             "label-column, client-column).")
         if config.num_classes == 1:
             problems.append("num-classes must be 0 (the data's) or at least 2, got 1.")
-        if config.partitioner not in PARTITIONERS:
-            problems.append(f"partitioner must be one of {', '.join(PARTITIONERS)} for a text classifier, got "
+        if config.partitioner not in PARTITIONER_KINDS:
+            problems.append(f"partitioner must be one of {', '.join(PARTITIONER_KINDS)} for a text classifier, got "
                             f"'{config.partitioner}'.")
         positions = max_positions(config.model)
         if positions and config.seq_len > positions:
