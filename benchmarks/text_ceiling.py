@@ -26,7 +26,7 @@ import torch
 from benchmarks.common import RESULTS, command_line, machine, revision, step_counts
 from fedlora.config import load_config
 from fedlora.federation import Protocol
-from fedlora.tasks.causal_lm import tokenizer_of
+from fedlora.text import tokenizer_of
 from fedlora.text import bible_unavailable_reason, load_tokenizer, to_device_tokens, tokenized_units
 from fedlora.training import local_train
 

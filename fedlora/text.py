@@ -31,6 +31,7 @@ import torch
 
 from fedlora.data import (CLIENT_COLUMN, CLIENT_COLUMNS, FOLDER_PREFIX, HELD_OUT_FRACTION, HELD_OUT_SEED, HUB_PREFIX,
                           _hub_dataset, _onto_device, deal_units)
+from fedlora.models import PACKAGED_TOKENIZERS, architecture, model_spec
 
 BIBLE_KJV = "bible-kjv"
 FORTUNES = "fortunes"
@@ -321,6 +322,48 @@ def load_tokenizer(name: str) -> TextTokenizer:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise TextUnavailableError(f"The tokenizer '{name}' could not be loaded ({first}); offline, use model = "
                                    "\"gpt2-tiny-public\" (its tokenizer is packaged).") from None
+
+
+# -- the run's tokenizer -----------------------------------------------------------------------------------------
+def check_tokenizer_fits(config) -> TextTokenizer:
+    """The run's tokenizer, once its ids are known to fall inside the model's embedding (ValueError, one sentence,
+    if not)."""
+    tokenizer = load_tokenizer(tokenizer_of(config))
+    vocab = vocab_size(config.model)
+    if tokenizer.vocab_size > vocab:
+        raise ValueError(f"The tokenizer '{config.tokenizer or model_spec(config.model).tokenizer}' has "
+                         f"{tokenizer.vocab_size} tokens, more than {config.model}'s {vocab}: its ids would fall "
+                         "outside the model's embedding (use the model's own tokenizer: tokenizer = \"\").")
+    return tokenizer
+
+
+def tokenizer_of(config) -> str:
+    """The run's tokenizer as ``load_tokenizer`` reads it: tokenizer, else the model's (a packaged one by its path)."""
+    name = config.tokenizer or model_spec(config.model).tokenizer
+    if name in PACKAGED_TOKENIZERS:
+        return str(_checked_tokenizer(name))
+    return name
+
+
+def _checked_tokenizer(name: str) -> Path:
+    import hashlib
+
+    packaged = PACKAGED_TOKENIZERS[name]
+    path = packaged.locate()
+    if not path.is_file():
+        raise ValueError(f"The packaged tokenizer '{path}' is missing; rebuild it with `fedlora pretrain --dataset "
+                         f"{packaged.dataset}`.")
+    if hashlib.sha256(path.read_bytes()).hexdigest() != packaged.sha256:
+        raise ValueError(f"The packaged tokenizer '{path}' does not match its sha256 {packaged.sha256[:12]}...; "
+                         f"rebuild it with `fedlora pretrain --dataset {packaged.dataset}`.")
+    return path
+
+
+def vocab_size(model: str) -> int:
+    """The model's vocabulary (the hub models' defaults: GPT-2's, BERT's, RoBERTa's, DistilBERT's)."""
+    default = {"gpt2": 50257, "bert": 30522, "roberta": 50265, "distilbert": 30522}.get(model_spec(model).family,
+                                                                                        32000)
+    return architecture(model).get("vocab_size", default)
 
 
 # -- token blocks on the device -----------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ def test_natural_partitions_deal_units_in_order_and_iid_ones_shuffle_them():
 
 
 def test_the_packaged_tokenizer_covers_every_byte_and_round_trips_text():
-    from fedlora.tasks.causal_lm import tokenizer_of
+    from fedlora.text import tokenizer_of
     from fedlora.config import RunConfig
 
     config = RunConfig.from_mapping({"model": "gpt2-tiny-public", "dataset": "bible-kjv", "partitioner": "natural"})

@@ -4,15 +4,15 @@ own text, hub datasets), measured by token-level loss, perplexity and next-token
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from fedlora.models import PACKAGED_TOKENIZERS, architecture, model_spec
+from fedlora.models import architecture, model_spec
 from fedlora.tasks import Task
-from fedlora.text import (BIBLE_KJV, TEXT_DATASETS, TEXT_PARTITIONERS, TextTokenizer, bible_unavailable_reason, load_tokenizer,
-                          partition_units, text_dir_units, text_splits, to_device_tokens, tokenized_units)
+from fedlora.text import (BIBLE_KJV, TEXT_DATASETS, TEXT_PARTITIONERS, bible_unavailable_reason, check_tokenizer_fits,
+                          load_tokenizer, partition_units, text_dir_units, text_splits, to_device_tokens,
+                          tokenized_units, tokenizer_of)
 
 
 class CausalLM(Task):
@@ -113,48 +113,7 @@ def _token_losses(model, batch, *, guesses: bool = False):
     return (token, predicted, scores.argmax(-1)) if guesses else (token, predicted)
 
 
-def check_tokenizer_fits(config) -> TextTokenizer:
-    """The run's tokenizer, once its ids are known to fall inside the model's embedding (ValueError, one sentence,
-    if not)."""
-    tokenizer = load_tokenizer(tokenizer_of(config))
-    vocab = _vocab_size(config.model)
-    if tokenizer.vocab_size > vocab:
-        raise ValueError(f"The tokenizer '{config.tokenizer or model_spec(config.model).tokenizer}' has "
-                         f"{tokenizer.vocab_size} tokens, more than {config.model}'s {vocab}: its ids would fall "
-                         "outside the model's embedding (use the model's own tokenizer: tokenizer = \"\").")
-    return tokenizer
-
-
-def tokenizer_of(config) -> str:
-    """The run's tokenizer as ``load_tokenizer`` reads it: tokenizer, else the model's (a packaged one by its path)."""
-    name = config.tokenizer or model_spec(config.model).tokenizer
-    if name in PACKAGED_TOKENIZERS:
-        return str(_checked_tokenizer(name))
-    return name
-
-
-def _checked_tokenizer(name: str) -> Path:
-    import hashlib
-
-    packaged = PACKAGED_TOKENIZERS[name]
-    path = packaged.locate()
-    if not path.is_file():
-        raise ValueError(f"The packaged tokenizer '{path}' is missing; rebuild it with `fedlora pretrain --dataset "
-                         f"{packaged.dataset}`.")
-    if hashlib.sha256(path.read_bytes()).hexdigest() != packaged.sha256:
-        raise ValueError(f"The packaged tokenizer '{path}' does not match its sha256 {packaged.sha256[:12]}...; "
-                         f"rebuild it with `fedlora pretrain --dataset {packaged.dataset}`.")
-    return path
-
-
 def _max_positions(model: str) -> int | None:
     arch = architecture(model)
     return arch.get("n_positions") or arch.get("max_position_embeddings") or (1024 if model_spec(model).family ==
                                                                                "gpt2" else None)
-
-
-def _vocab_size(model: str) -> int:
-    """The model's vocabulary (the hub models' defaults: GPT-2's, BERT's, RoBERTa's, DistilBERT's)."""
-    default = {"gpt2": 50257, "bert": 30522, "roberta": 50265, "distilbert": 30522}.get(model_spec(model).family,
-                                                                                        32000)
-    return architecture(model).get("vocab_size", default)

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from fedlora.data import FOLDER_PREFIX, HUB_PREFIX, PARTITIONER_KINDS
 from fedlora.models import architecture, model_spec
 from fedlora.tasks import Task
-from fedlora.text import example_tokens, labelled_text, load_tokenizer, partition_examples, text_dir_units
-
+from fedlora.text import (check_tokenizer_fits, example_tokens, labelled_text, load_tokenizer, partition_examples,
+                          text_dir_units, tokenizer_of)
 
 
 class TextClassification(Task):
@@ -42,8 +42,6 @@ class TextClassification(Task):
         return problems
 
     def check_before_start(self, config) -> None:
-        from fedlora.tasks.causal_lm import check_tokenizer_fits
-
         check_tokenizer_fits(config).pad_id  # raises if there is nothing to pad examples with
         text = _text(config)
         if config.num_classes and config.num_classes != len(text.classes):
@@ -61,8 +59,6 @@ class TextClassification(Task):
     def train_data(self, config, node, device):
         """The node's own labelled text (data-dir: a subfolder of .txt files per class, named as the run's classes, or
         0..K-1), else its partition of the run's dataset, one example a block on ``device``."""
-        from fedlora.tasks.causal_lm import tokenizer_of
-
         if node.data_dir:
             own = own_examples(node.data_dir, _class_index(config))
             texts, labels = [t for t, _ in own], [label for _, label in own]
@@ -73,8 +69,6 @@ class TextClassification(Task):
         return example_tokens(texts, labels, load_tokenizer(tokenizer_of(config)), config.seq_len, device=device)
 
     def test_data(self, config, device):
-        from fedlora.tasks.causal_lm import tokenizer_of
-
         test = _text(config).test
         return example_tokens([t for t, _, _ in test], [label for _, label, _ in test],
                               load_tokenizer(tokenizer_of(config)), config.seq_len, device=device)
