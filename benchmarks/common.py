@@ -87,7 +87,7 @@ def run_inprocess(config, out_dir: Path, echo=lambda line: None, resume: bool = 
     from flwr.common.logger import LOGGER_NAME
 
     from fedlora.clients.app import app
-    from fedlora.config import OUT_DIR_KEY, RESUME_KEY
+    from fedlora.run_keys import OUT_DIR_KEY, RESUME_KEY
     from fedlora.strategies.inprocess_grid import InProcessGrid
     from fedlora.strategies.server_app import run_federation
 

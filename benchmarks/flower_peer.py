@@ -35,7 +35,8 @@ from flwr.supercore.privacy_accounting import NeighboringRelation, PrivacyConfig
 from flwr.supercore.privacy_accounting.rdp_accountant import RdpAccountant
 
 from benchmarks.common import RESULTS, command_line, machine, revision
-from fedlora.config import OUT_DIR_KEY, RunConfig, load_config, run_config_of
+from fedlora.config import RunConfig, load_config, run_config_of
+from fedlora.run_keys import OUT_DIR_KEY
 from fedlora.experiment import test_data
 from fedlora.federation import Protocol
 from fedlora.round_plan import DENSE, GlobalState

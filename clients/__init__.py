@@ -1,4 +1,2 @@
-"""The Flower ClientApp for fedlora: de-sketch, local LoRA SGD, clip, privatize, reply.
-
-Empty until the federation milestone (issue 4); the math it will call is in ``fedlora``.
-"""
+"""Flower's client side of fedlora: the ClientApp (fedlora.clients.app) and a client's round (fedlora.clients.rounds);
+the math they call is in ``fedlora``."""

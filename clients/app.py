@@ -17,6 +17,8 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
+from fedlora.run_keys import WARM_UP
+
 app = ClientApp()
 _fresh_process = True  # a SuperNode starts a process per message; Ray workers live across messages
 
@@ -32,7 +34,13 @@ def _startup_seconds() -> float:
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
     """Which partition this node holds (the server samples partitions, so a seed fixes a seeded run) and, when the
-    nodes hold the sketch secret, its fingerprint."""
+    nodes hold the sketch secret, its fingerprint; or, asked to warm up (a simulation's ServerApp asks first thing),
+    nothing once the round's work is loaded."""
+    if "config" in msg.content.config_records and msg.content["config"].get(WARM_UP):
+        from fedlora.clients import rounds
+
+        rounds.warm_up(context)
+        return Message(RecordDict(), reply_to=msg)
     from fedlora.config import run_config_of
     from fedlora.node import NodeSettings, secret_fingerprint
 

@@ -56,6 +56,15 @@ def _local_data(config: RunConfig, node: NodeSettings):
     return data
 
 
+def warm_up(context: Context) -> None:
+    """Everything a simulation's worker loads once, before its first round: the model of every client rank, and the
+    run's data with one partition decoded (what every partition shares is read, split and cached on the way)."""
+    config = run_config_of(context.run_config)
+    for rank in sorted(set(config.parsed_client_ranks()) or {config.rank}):
+        _model(config, rank)
+    _local_data(config, NodeSettings(0, config.num_clients))
+
+
 def round_setup(msg: Message, context: Context) -> tuple[RunConfig, ClientSide, NodeSettings]:
     """The run config, the round's protocol (its noise and sketch seed) and this node's settings."""
     config = run_config_of(context.run_config)

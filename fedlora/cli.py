@@ -490,7 +490,8 @@ def _check_recorded_releases(saved, plan, out_dir) -> None:
 
 
 def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, used=None):
-    """Checks and calibration before any process starts; prints what will run. Returns the run directory.
+    """Checks and calibration before any process starts; prints what will run. Returns the run directory and the
+    noise calibrated (a NoisePlan), which the ServerApp is given rather than calibrating it again.
     ``used``: the noise multipliers a resumed run used, which its config must calibrate again."""
     import time
     from pathlib import Path
@@ -542,7 +543,7 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
                                f"{plan.noise_multiplier:g}: raise target-epsilon or noise-multiplier.")
             print(f"  budget: epsilon = {budget:g} ({ledger.trust_model}); the run stops before the round that "
                   "would pass it")
-    return out_dir
+    return out_dir, plan
 
 
 REAL_DATA_NEXT = ("real images: `fedlora run --config fashion_mnist` (Fashion-MNIST, offline after `sudo apt-get install "
@@ -606,12 +607,14 @@ def run(args: argparse.Namespace) -> None:
                        "simulations derive it from the run seed.")
     address = _cluster_address(args)
     if address is None:
-        check_local_resources(config)
-    out_dir = _prepare(args, config, "run")
-    _check_cluster(address, config)
+        workers = check_local_resources(config)
+    out_dir, plan = _prepare(args, config, "run")
+    if address is not None:
+        workers = _check_cluster(address, config)
     from fedlora.launch import run_simulation  # Flower and Ray load after the checks, whose errors come at once
 
-    _done(run_simulation(config, out_dir, ray_address=address, began=_command_start()), out_dir, config)
+    _done(run_simulation(config, out_dir, ray_address=address, began=_command_start(), workers=workers,
+                         noise=(plan.noise_multiplier, plan.probe_noise_multiplier)), out_dir, config)
 
 
 def resume(args: argparse.Namespace) -> None:
@@ -621,9 +624,11 @@ def resume(args: argparse.Namespace) -> None:
 
     address = _cluster_address(args)
     here = (lambda out_dir, config: check_local_resources(config)) if address is None else (lambda *_: None)
-    out_dir, config, _ = _resumable(args, "run", check=here)
-    _check_cluster(address, config)
-    _done(run_simulation(config, out_dir, resume=True, ray_address=address, began=_command_start()), out_dir, config)
+    out_dir, config, workers, plan = _resumable(args, "run", check=here)
+    if address is not None:
+        workers = _check_cluster(address, config)
+    _done(run_simulation(config, out_dir, resume=True, ray_address=address, began=_command_start(), workers=workers,
+                         noise=(plan.noise_multiplier, plan.probe_noise_multiplier)), out_dir, config)
 
 
 def _cluster_address(args: argparse.Namespace) -> str | None:
@@ -635,12 +640,14 @@ def _cluster_address(args: argparse.Namespace) -> str | None:
     return address
 
 
-def _check_cluster(address: str | None, config) -> None:
-    """Every node of the cluster can run the run's clients (fedlora.cluster.check_cluster); prints the cluster."""
+def _check_cluster(address: str, config) -> int:
+    """Every node of the cluster can run the run's clients (fedlora.cluster.check_cluster); prints the cluster.
+    Returns the clients it trains at once."""
     from fedlora.cluster import check_cluster, cluster_summary
 
-    if address is not None:
-        print(cluster_summary(address, check_cluster(address, config), config))
+    nodes = check_cluster(address, config)
+    print(cluster_summary(address, nodes, config))
+    return sum(node.clients(config) for node in nodes)
 
 
 def cluster(args: argparse.Namespace) -> None:
@@ -695,13 +702,13 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
     if command == "deploy" and not deployed:
         raise CLIError(f"The run in '{out_dir}' was a simulation: continue it with `fedlora run --resume {out_dir}`.")
     checked = check(out_dir, config)
-    _prepare(args, config, command, out_dir=out_dir, used=used)
+    _, plan = _prepare(args, config, command, out_dir=out_dir, used=used)
     done = saved.rounds_done if saved else 0
     spent = _spent(saved)
     epsilon = (f", epsilon {spent.epsilon:.3f} ({spent.threat_model}) spent in {saved.releases} releases"
                if spent else "")
     print(f"  resuming after round {done} of {config.num_rounds}{epsilon}")
-    return out_dir, config, checked
+    return out_dir, config, checked, plan
 
 
 def deploy(args: argparse.Namespace) -> None:
@@ -714,12 +721,12 @@ def deploy(args: argparse.Namespace) -> None:
     from fedlora.launch import DEPLOYMENT_FILE, deploy_locally, deployment_credentials
 
     if args.resume:
-        out_dir, config, credentials = _resumable(args, "deploy", check=deployment_credentials)
+        out_dir, config, credentials, plan = _resumable(args, "deploy", check=deployment_credentials)
         print(f"  security: {_security(credentials)}")
         if (budget := json.loads((Path(out_dir) / DEPLOYMENT_FILE).read_text()).get("node_budget")) is not None:
             print(_node_budget_line(budget, out_dir))
-        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True, began=_command_start()), out_dir,
-              config)
+        _done(deploy_locally(config, out_dir, credentials=credentials, resume=True, began=_command_start(),
+                             noise=(plan.noise_multiplier, plan.probe_noise_multiplier)), out_dir, config)
         return
     given = dict(parse_assignment(a) for a in args.set)
     preset = [] if args.config else [f"{k}={v}" for k, v in DEPLOY_PRESET.items()]
@@ -740,7 +747,7 @@ def deploy(args: argparse.Namespace) -> None:
     if config.sketch_secret == "node-file" and args.insecure:
         raise CLIError("A secret-sketch deployment needs the nodes' credentials folders (they hold the sketch "
                        "secret): drop --insecure.")
-    out_dir = _prepare(args, config, "deploy")
+    out_dir, plan = _prepare(args, config, "deploy")
     credentials = None
     if args.credentials:
         credentials = Credentials(Path(args.credentials), config.num_clients)
@@ -756,7 +763,8 @@ def deploy(args: argparse.Namespace) -> None:
     if args.node_budget is not None:
         print(_node_budget_line(args.node_budget, out_dir))
     _done(deploy_locally(config, out_dir, credentials=credentials, began=_command_start(),
-                         node_budget=args.node_budget), out_dir, config)
+                         node_budget=args.node_budget, noise=(plan.noise_multiplier, plan.probe_noise_multiplier)),
+          out_dir, config)
 
 
 def _node_budget_line(budget: float, out_dir) -> str:

@@ -53,9 +53,9 @@ class ClusterNode:
         return f"{self.ip} ({self.node_id[:8]})"
 
 
-def check_local_resources(config: RunConfig) -> None:
-    """A ValueError, one line, if this machine cannot hold one client at client-cpus and client-gpus: Ray started
-    here would have no worker, and the run would fail after its start."""
+def check_local_resources(config: RunConfig) -> int:
+    """The clients Ray started on this machine trains at once (its workers at client-cpus and client-gpus); a
+    ValueError, one line, if it cannot hold one: Ray would have no worker, and the run would fail after its start."""
     gpus = 0
     if config.client_gpus > 0:
         import torch
@@ -67,6 +67,7 @@ def check_local_resources(config: RunConfig) -> None:
         raise ValueError(f"This machine has {here.cpus:g} CPUs and {gpus} GPUs, less than one client asks "
                          f"(client-cpus = {config.client_cpus}, client-gpus = {config.client_gpus:g}): {lower}, "
                          "or join a Ray cluster that has them (--ray-address).")
+    return here.clients(config)
 
 
 def ray_address(given: str | None = None) -> str | None:

@@ -21,6 +21,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
+from fedlora.run_keys import LAUNCH_KEYS
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.data import PARTITIONER_KINDS
 from fedlora.models import HUB_MODEL_PREFIX, MODELS, adapted_layer_shapes, model_spec
@@ -30,9 +31,6 @@ from fedlora.tracking import TRACKERS
 from fedlora.training import LOCAL_OPTIMIZERS, PRECISIONS
 
 MAX_CLASSES = 10 ** 5  # ImageNet-21k has 21,843; a head of 10^9 classes would fill the memory before it failed
-OUT_DIR_KEY = "out-dir"  # run-config keys outside the vocabulary: where the ServerApp writes,
-RESUME_KEY = "resume"  # whether it continues from the checkpoint there,
-SIMULATION_KEY = "simulation"  # and whether the simulation engine runs it (`fedlora run`)
 # `fedlora deploy` without --config: two SuperNodes on this machine, two rounds, OS noise.
 # Noise at the client (the paper's round): the server of a deployment is a remote party, not trusted with messages.
 DEPLOY_PRESET = {"num-clients": 2, "clients-per-round": 2, "num-rounds": 2, "train-examples": 400,
@@ -198,10 +196,12 @@ class RunConfig:
                              choices=("seeded", "os"))
     client_cpus: int = _opt(1, "CPUs per simulated client (Ray)", low=1)
     client_gpus: float = _opt(0.0, "GPU fraction per simulated client (Ray)", low=0.0, high=1.0)
-    simulation_nodes: int = _opt(0, "simulation: Flower nodes that run the clients (0: one per client, each sampled "
-                                     "client a message, as in a deployment; k: k nodes, each round's sampled clients "
-                                     "spread over them, several per message: for cohorts in the hundreds, whose "
-                                     "thousands of nodes Flower's engine would poll)", low=0)
+    simulation_nodes: int = _opt(0, "simulation: Flower nodes that run the clients, each round's sampled clients "
+                                     "dealt over them, several per message (0: one per Ray worker, as many as train "
+                                     "at once, where every client may share a node, else one per client; "
+                                     "num-clients: one per client, each sampled client a message, as in a "
+                                     "deployment, whose thousands of nodes Flower's engine polls). The same run "
+                                     "either way: each client trains as alone", low=0)
     precision: str = _opt("auto", "the clients' and the server's forward and backward passes: bf16 autocast (the "
                                   "matrix products in bfloat16; the parameters, their gradients, the loss, clipping, "
                                   "sketches and noise in float32), bf16-backbone (bf16, and the frozen backbone "
@@ -209,7 +209,7 @@ class RunConfig:
                                   "bf16-backbone on a GPU that supports bf16 (the fastest there), fp32 elsewhere",
                           choices=PRECISIONS)
     client_batch: int = _opt(0, "clients a simulation node trains together, in one forward and backward per local step "
-                                "(several clients per message: simulation-nodes); each computes what it would "
+                                "(a simulation message's clients: see simulation-nodes); each computes what it would "
                                 "alone, up to floating-point summation order. 0: 16 on a GPU (ViT-B/16 at 224 px: "
                                 "2.7x one at a time, 12 GiB), 1 on a CPU (no faster there)", low=0)
 
@@ -287,9 +287,9 @@ class RunConfig:
         if self.simulation_nodes > self.num_clients:
             problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")
-        if self.client_batch > 1 and not self.simulation_nodes:
-            problems.append(f"client-batch = {self.client_batch} trains together the clients one message carries: set "
-                            "simulation-nodes too (one message per client trains one at a time).")
+        if self.client_batch > 1 and self.simulation_nodes == self.num_clients:
+            problems.append(f"client-batch = {self.client_batch} trains together the clients one message carries: "
+                            "with a node per client (simulation-nodes = num-clients) each message carries one.")
         if self.min_replies > self.clients_per_round:
             problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
                             f"({self.clients_per_round}).")
@@ -392,9 +392,9 @@ class RunConfig:
         if self.clip_quantile:
             problems.append('noise-placement = "secagg" does not support adaptive clipping (clip-quantile) yet: the '
                             "clip count would need its own secure sum.")
-        if self.simulation_nodes:
-            problems.append('noise-placement = "secagg" needs one Flower node per client (simulation-nodes = 0): '
-                            "every client is its own party in SecAgg+.")
+        if self.simulation_nodes not in (0, self.num_clients):
+            problems.append('noise-placement = "secagg" needs one Flower node per client (simulation-nodes = 0 or '
+                            "num-clients): every client is its own party in SecAgg+.")
         return problems
 
     def ignored_keys(self) -> dict[str, str]:
@@ -430,9 +430,14 @@ class RunConfig:
         """Adaptive clipping: the standard deviation of the noise on the count of clients under the clip norm."""
         return self.clip_count_stddev or self.clients_per_round / 20
 
-    def flower_nodes(self) -> int:
-        """The Flower nodes a simulation runs: simulation-nodes, else one per client."""
-        return self.simulation_nodes or self.num_clients
+    def flower_nodes(self, workers: int | None = None) -> int:
+        """The Flower nodes a simulation runs: simulation-nodes; else, given the ``workers`` that train at once, one
+        per worker, unless each client must be a party of its own (SecAgg+); else one per client."""
+        if self.simulation_nodes:
+            return self.simulation_nodes
+        if workers and self.noise_placement != "secagg":
+            return max(1, min(workers, self.num_clients))
+        return self.num_clients
 
     def required_replies(self) -> int:
         """Valid replies a round needs to be aggregated: min-replies, or half of N rounded up; under secure
@@ -555,5 +560,4 @@ def load_config(path: str | Path | None = None, assignments: list[str] | None = 
 
 def run_config_of(values: dict[str, Any]) -> RunConfig:
     """The validated RunConfig of a Flower run config (which may also carry the launch keys above)."""
-    return RunConfig.from_mapping({k: v for k, v in values.items()
-                                   if k not in (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY)})
+    return RunConfig.from_mapping({k: v for k, v in values.items() if k not in LAUNCH_KEYS})

@@ -9,8 +9,12 @@ import math
 import resource
 import textwrap
 import time
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+
+import torch
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
 from fedlora.config import RunConfig
@@ -44,14 +48,28 @@ def labels_of(config: RunConfig) -> dict:
 
 @dataclass(frozen=True)
 class NoisePlan:
-    """The noise of a run and what each phase releases per round (for the strategy's ledger)."""
+    """The noise of a run and what each phase releases per round (for the strategy's ledger); what the noise
+    guarantees after all rounds is computed when asked for (the ServerApp needs only the releases)."""
 
     noise_multiplier: float  # LoRA rounds
     probe_noise_multiplier: float  # linear-probe rounds (head = probe)
-    phase_releases: dict  # phase -> one round's release
-    reports: dict  # observer -> the guarantee after all rounds ({} if not private)
+    phase_releases: dict  # phase -> one round's release ({} if not private)
+    phases: tuple[Phase, ...] = ()  # every round the run plans, by phase
+    where: dict = field(default_factory=dict)  # the accounting's setting: delta, threat model, placement, labels
     target_observer: str = "model"  # whose epsilon target-epsilon calibrates
-    other_convention: PrivacyReport | None = None  # the same noise in the field's other convention, to compare tools
+
+    @cached_property
+    def reports(self) -> dict:
+        """observer -> the guarantee after all rounds ({} if not private)."""
+        if not self.phases:
+            return {}
+        return {o.value: epsilon(list(self.phases), **self.where, observer=o)
+                for o in observers(self.where["placement"])}
+
+    @cached_property
+    def other_convention(self) -> PrivacyReport | None:
+        """The same noise in the field's other convention, to compare tools."""
+        return other_convention(list(self.phases), self.where["delta"]) if self.phases else None
 
     @property
     def planned(self) -> PrivacyReport | None:
@@ -59,24 +77,27 @@ class NoisePlan:
         return self.reports.get(self.target_observer)
 
     def new_ledger(self, config: RunConfig) -> PrivacyLedger | None:
-        if self.planned is None:
+        if not self.phase_releases:
             return None
         return PrivacyLedger(config.delta, config.threat_model, config.target_epsilon or None,
                              placement=config.noise_placement, target_observer=config.target_observer,
                              **labels_of(config))
 
 
-def noise_for(config: RunConfig) -> NoisePlan:
+def noise_for(config: RunConfig, *, calibrated: tuple[float, float] | None = None) -> NoisePlan:
     """Noise multipliers calibrated for target-epsilon over num-rounds (or noise-multiplier as given).
 
     With a linear probe the probe phase alone is calibrated to ``probe-budget`` of the target, then
     the LoRA phase to what the composition of both leaves. With adaptive clipping each LoRA round also
     releases the clip count, and the update's multiplier is raised until the pair spends the target.
+    ``calibrated``: the (LoRA, probe) multipliers this config calibrated to before (the launcher's, passed to the
+    ServerApp), taken as they are: the ledger accounts whatever noise a run adds, so this saves time, not privacy.
     """
     protocol = RoundPlan(config, 1.0, 1.0)
     if not protocol.algorithm.private:
-        return NoisePlan(0.0, 0.0, {}, {})
-    model = protocol.build_model()
+        return NoisePlan(0.0, 0.0, {})
+    with torch.device("meta"):  # the message's shapes, without the weights' memory and their reading
+        model = protocol.build_model()
     sampling = sampling_of(config)
     probe_rounds = config.linear_probe_rounds()
     head, message = protocol.client_message(model, PROBE), protocol.client_message(model, LORA)
@@ -103,17 +124,17 @@ def noise_for(config: RunConfig) -> NoisePlan:
         if alone >= config.target_epsilon:
             raise ValueError(f"The clip count's noise alone (clip-count-stddev {config.count_stddev():g}) spends "
                              f"epsilon {alone:.3g} of the target {config.target_epsilon:g}: raise clip-count-stddev.")
-    if config.noise_multiplier == 0:  # calibrated to spend target-epsilon in num-rounds
+    if calibrated is not None:
+        z_lora, z_probe = calibrated
+    elif config.noise_multiplier == 0:  # calibrated to spend target-epsilon in num-rounds
         z_probe = calibrate(lambda z: phases(z, 1.0)[:1], target_epsilon=config.probe_budget * config.target_epsilon,
                             **target).noise_multiplier if probe_rounds else 0.0
         z_lora = calibrate(lambda z: phases(z_probe, z), target_epsilon=config.target_epsilon,
                            **target).noise_multiplier
     else:
         z_probe = z_lora = config.noise_multiplier
-    planned = phases(z_probe, z_lora)
-    reports = {o.value: epsilon(planned, **where, observer=o) for o in observers(config.noise_placement)}
-    return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)}, reports,
-                     config.target_observer, other_convention(planned, config.delta))
+    return NoisePlan(z_lora, z_probe, {PROBE: probe_release(z_probe), LORA: lora_release(z_lora)},
+                     tuple(phases(z_probe, z_lora)), where, config.target_observer)
 
 
 class RunRecorder:
@@ -140,6 +161,9 @@ class RunRecorder:
         self.base = get_adapters(self.model)
         self.test = test_data(config)
         self.started = time.time()
+        self._evaluator: ThreadPoolExecutor | None = None  # evaluates a round while the next one trains
+        self._pending: Future | None = None
+        self._unwritten: tuple[int, dict] | None = None  # (round, its row's accounting) while it is evaluated
 
     @property
     def can_reconstruct(self) -> bool:
@@ -152,37 +176,69 @@ class RunRecorder:
         self.protocol.load_global(self.model, state, self.base)
         return self.config.task.evaluate(self.model, self.test, precision=self.config.precision)
 
-    def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None) -> dict:
+    def record(self, round_: int, state: GlobalState, info: dict, ledger: PrivacyLedger | None, *,
+               background: bool = False) -> dict | None:
+        """Round ``round_``'s row: its metrics (evaluated when due), the ledger's epsilon after it, its telemetry;
+        appended to metrics.jsonl, the tracker and the progress lines. With ``background`` the evaluation runs on
+        this recorder's thread while the caller goes on (the next round trains meanwhile; rows stay in order, one
+        evaluation at a time): what the row says of the ledger and the round is taken now; None is returned, and
+        ``wait`` gives the rows."""
         due = self.can_reconstruct and (round_ % self.config.eval_every == 0 or round_ == self.config.num_rounds)
-        metrics = self.evaluate(state) if due else {}
-        if not due and self.config.task.name == "causal-lm":
-            metrics = {"perplexity": math.nan}  # the column every row of a language model's run has
+        self.wait()  # the rows in order: the previous round's evaluation first
+        # what the ledger said right after the round (a checkpoint keeps it until the row is written: a run resumed
+        # after a later release was counted records the row as it was)
+        accounted = info.get("accounted") or self._accounted(round_, info, ledger)
+        if not background:
+            return self._complete(round_, state if due else None, accounted)
+        if self._evaluator is None:
+            self._evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlora-evaluation")
+        self._unwritten = (round_, accounted)
+        self._pending = self._evaluator.submit(self._complete, round_, state if due else None, accounted)
+        return None
+
+    def _accounted(self, round_: int, info: dict, ledger: PrivacyLedger | None) -> dict:
+        """A row's privacy and telemetry: what the ledger says now, what the round did."""
         reports = ledger.reports() if ledger is not None else {}
         report = reports.get(ledger.target_observer) if ledger is not None else None
+        now = time.time()
+        started = info.get("started", self.started)
+        return {
+            "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
+            "noise_multiplier": self.protocol.noise_multiplier,
+            "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
+            "observer": report.observer if report else None,
+            "epsilon_by_observer": {o: r.epsilon for o, r in reports.items()},
+            "clip_norm": info.get("clip_norm", self.protocol.mechanism.clip_norm),
+            "releases": ledger.rounds if ledger is not None else info.get("release", round_),
+            "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
+            "replies": info.get("replies", 0), "failed": info.get("failed", 0),
+            "rejected": info.get("rejected", 0), "nodes": info.get("nodes", 0),
+            "bytes_up": info.get("bytes_up", 0), "bytes_down": info.get("bytes_down", 0),
+            "aggregation_seconds": info.get("aggregation_seconds", 0.0),
+            "client_train_seconds": info.get("train_seconds", math.nan),
+            "client_privatize_seconds": info.get("privatize_seconds", math.nan),
+            "client_startup_seconds": info.get("startup_seconds", math.nan),
+            # the round's own seconds, from its start to its new global state (a row recorded after a restart
+            # carries them from the checkpoint: its start was another launch's); its evaluation's are apart
+            "seconds": info["seconds"] if "seconds" in info else now - started,
+            "started": info["started"] if "started" in info and "seconds" not in info else None,
+            "startup": info.get("startup")}  # seconds before this launch's first round, by part
+
+    def _complete(self, round_: int, state: GlobalState | None, accounted: dict) -> dict:
+        """The row, once ``state`` (None: not due) is evaluated; written where rows go."""
+        evaluating = time.time()
+        metrics = self.evaluate(state) if state is not None else {}
+        if state is None and self.config.task.name == "causal-lm":
+            metrics = {"perplexity": math.nan}  # the column every row of a language model's run has
         row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": math.nan, "loss": math.nan,
-               **metrics,
-               "epsilon": report.epsilon if report else math.inf, "delta": self.config.delta,
-               "noise_multiplier": self.protocol.noise_multiplier,
-               "threat_model": report.threat_model if report else f"{self.config.threat_model} (not private)",
-               "observer": report.observer if report else None,
-               "epsilon_by_observer": {o: r.epsilon for o, r in reports.items()},
-               "clip_norm": info.get("clip_norm", self.protocol.mechanism.clip_norm),
-               "releases": ledger.rounds if ledger is not None else info.get("release", round_),
-               "train_loss": info.get("train_loss", math.nan), "sampled": info.get("sampled", 0),
-               "replies": info.get("replies", 0), "failed": info.get("failed", 0),
-               "rejected": info.get("rejected", 0), "nodes": info.get("nodes", 0),
-               "bytes_up": info.get("bytes_up", 0), "bytes_down": info.get("bytes_down", 0),
-               "aggregation_seconds": info.get("aggregation_seconds", 0.0),
-               "client_train_seconds": info.get("train_seconds", math.nan),
-               "client_privatize_seconds": info.get("privatize_seconds", math.nan),
-               "client_startup_seconds": info.get("startup_seconds", math.nan),
+               **metrics, **accounted,
+               "eval_seconds": time.time() - evaluating if state is not None else 0.0,
                "server_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
-               # a row recorded after a restart carries its round's own seconds (its start was another launch's)
-               "seconds": info["seconds"] if "seconds" in info else time.time() - info.get("started", self.started),
-               "time": time.time(),
-               "startup": info.get("startup")}  # seconds before this launch's first round, by part
+               "time": time.time()}
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)
+        if self._unwritten is not None and self._unwritten[0] == round_:
+            self._unwritten = None
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.tracker is not None:
@@ -190,17 +246,34 @@ class RunRecorder:
         self.echo(format_progress(row, self.config))
         return row
 
+    def wait(self) -> list[dict]:
+        """The rows, once the evaluation under way (if any) has written its own; raises what it raised."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+        return self.rows
+
     def progress(self, round_: int, arrived: int, sent: int) -> None:
         """The replies of the round under way so far, for the launcher to show while the round runs."""
         write_progress(self.out_dir, round_, arrived, sent)
 
     def save(self, checkpoint: Checkpoint) -> None:
-        """Writes the checkpoint with the metrics rows so far."""
-        checkpoint.rows = self.rows
+        """Writes the checkpoint with the metrics rows so far: every round's but (at most) the last's, whose
+        evaluation may be under way (a resumed run records a missing last row from the checkpoint's state)."""
+        if checkpoint.rounds_done > len(self.rows) + 1:
+            self.wait()
+        checkpoint.rows = list(self.rows)
+        pending = self._unwritten
+        if pending is not None and pending[0] == checkpoint.rounds_done and len(checkpoint.rows) < pending[0]:
+            checkpoint.round_info = {**checkpoint.round_info, "accounted": pending[1]}
         checkpoint.save(self.out_dir)
 
     def close(self) -> None:
-        """Flushes and closes the TensorBoard writer (its thread and file), however the run ended."""
+        """Flushes and closes the TensorBoard writer (its thread and file), however the run ended; ends the
+        evaluation thread (an evaluation under way is waited for, its error left to the caller's)."""
+        if self._evaluator is not None:
+            self._evaluator.shutdown(wait=True)
+            self._evaluator = None
         if self.tracker is not None:
             self.tracker.close()
             self.tracker = None
@@ -208,6 +281,7 @@ class RunRecorder:
     def finish(self, state: GlobalState, *, status: str = FINISHED, reason: str = "") -> None:
         """After the last round (or an early stop): the adapter in PEFT format (if the server can de-sketch
         it) and accuracy.png. The checkpoint already holds the final state."""
+        self.wait()
         if status not in (FINISHED, BUDGET_SPENT):
             self.echo(f"The run stopped early ({reason}); resume it with `fedlora run --resume {self.out_dir}`.")
             return

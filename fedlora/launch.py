@@ -29,7 +29,8 @@ import psutil
 
 from fedlora.checkpoint import ENDED, RESTART, STATE_FILE, Checkpoint
 from fedlora.cluster import LOCAL, RAY_ADDRESS_ENV, free_port, wait_for_live_nodes
-from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, RunConfig
+from fedlora.config import RunConfig
+from fedlora.run_keys import NODES_KEY, NOISE_KEY, OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY
 from fedlora.credentials import Credentials
 from fedlora.experiment import format_progress
 from fedlora.reaper import end_trees
@@ -57,14 +58,20 @@ def _toml_value(value) -> str:
 
 
 def write_app(config: RunConfig, out_dir: Path, *, simulation: bool, resume: bool = False,
-              client_app: str = "fedlora.clients.app:app", server_app: str = "fedlora.strategies.server_app:app") -> Path:
+              client_app: str = "fedlora.clients.app:app", server_app: str = "fedlora.strategies.server_app:app",
+              nodes: int | None = None, noise: tuple[float, float] | None = None) -> Path:
     """A minimal Flower app whose components are fedlora's (or the given ones: fault injection, Flower's own DP in
     benchmarks/flower_peer.py) and whose run config is ``config``; with ``resume`` the ServerApp continues from the
-    run directory's checkpoint."""
+    run directory's checkpoint. ``nodes``: the Flower nodes started for it; ``noise``: the noise multipliers the
+    command calibrated already (the ServerApp accounts what it uses, so it need not calibrate them again)."""
     app_dir = out_dir / "flower-app"
     app_dir.mkdir(parents=True, exist_ok=True)
     values = {**config.to_mapping(), OUT_DIR_KEY: str(out_dir.resolve()), RESUME_KEY: resume,
               SIMULATION_KEY: simulation}
+    if nodes is not None:
+        values[NODES_KEY] = nodes
+    if noise is not None:
+        values[NOISE_KEY] = ",".join(map(repr, noise))  # repr: the floats exactly
     (app_dir / "pyproject.toml").write_text("\n".join([
         "[build-system]", 'requires = ["setuptools>=69"]', 'build-backend = "setuptools.build_meta"', "",
         "[project]", 'name = "fedlora-run"', 'version = "0.1.0"', 'description = "A fedlora run"',
@@ -224,17 +231,22 @@ class RoundProgress:
             self.shown = ""
 
 
+def round_start(row: dict) -> float:
+    """When a metrics row's round started (rows before the "started" field ended with their evaluation)."""
+    return row["started"] if row.get("started") is not None else row["time"] - row["seconds"]
+
+
 def record_fixed_cost(out_dir: Path, rows: list[dict], began: float, ended: float | None = None) -> dict | None:
     """What the launch spent outside its rounds, added to metrics.jsonl's last row as "fixed_seconds": from ``began``
     (the command's start) to the start of the first round it ran, and from the last round's row to ``ended``
     (default: now), with the ServerApp's parts of the first ("startup": its process, noise calibration, model and
     test data, the nodes). None when the launch ran no round."""
     # the first round this launch ran (a resumed run's rows start with its earlier launches')
-    first = next((row for row in rows if row.get("startup") and row["time"] - row["seconds"] >= began), None)
+    first = next((row for row in rows if row.get("startup") and round_start(row) >= began), None)
     if first is None:
         return None
     ended = time.time() if ended is None else ended
-    fixed = {"before first round": first["time"] - first["seconds"] - began,
+    fixed = {"before first round": round_start(first) - began,
              "after last round": ended - rows[-1]["time"], **first["startup"]}
     rows[-1]["fixed_seconds"] = fixed
     path = Path(out_dir) / "metrics.jsonl"
@@ -304,16 +316,21 @@ def _flower(out_dir: Path):
 
 def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeout: float = 60.0, resume: bool = False,
                    client_app: str = "fedlora.clients.app:app", ray_address: str | None = None,
-                   began: float | None = None) -> list[dict]:
+                   began: float | None = None, workers: int | None = None,
+                   noise: tuple[float, float] | None = None) -> list[dict]:
     """Runs (or, with ``resume``, continues) the federation on Ray: a Ray of its own on this machine, or with
     ``ray_address`` the cluster there (fedlora.cluster); returns the per-round metrics. A run that lost a Ray
     worker (or a cluster node) is restarted from its checkpoint. Raises LaunchError if it does not end.
-    ``began``: when the wait for it began, for its fixed cost (default: now; `fedlora run`: its process's start)."""
+    ``began``: when the wait for it began, for its fixed cost (default: now; `fedlora run`: its process's start).
+    ``workers``: the clients Ray trains at once, for simulation-nodes = 0 (``RunConfig.flower_nodes``; None: one node
+    per client). ``noise``: the noise multipliers calibrated for ``config`` already (see ``write_app``)."""
     began = time.time() if began is None else began
+    nodes = config.flower_nodes(workers)
     out_dir = Path(out_dir).resolve()  # the SuperLink and flwr run work inside it: relative paths would resolve twice
     _make_run_dir(out_dir)
     for restart in range(ENGINE_RESTARTS + 1):
-        app_dir = write_app(config, out_dir, simulation=True, resume=resume, client_app=client_app)
+        app_dir = write_app(config, out_dir, simulation=True, resume=resume, client_app=client_app, nodes=nodes,
+                            noise=noise)
         with _flower(out_dir) as flower:
             port = free_port()
             flower.connect(port, None)
@@ -323,7 +340,7 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
                 "--disable-runtime-dependency-installation"], env={RAY_ADDRESS_ENV: ray_address or LOCAL})
             flower.wait_for_port(port, superlink, "superlink", start_timeout)
             saved = flower.follow(app_dir, config, echo, federation_config=(
-                f"num-supernodes={config.flower_nodes()} client-resources-num-cpus={config.client_cpus} "
+                f"num-supernodes={nodes} client-resources-num-cpus={config.client_cpus} "
                 f"client-resources-num-gpus={config.client_gpus}"), resume=resume)
         if saved is None or saved.status != RESTART or restart == ENGINE_RESTARTS:
             break
@@ -399,14 +416,14 @@ def describe_node_ledgers(out_dir: Path, num_nodes: int, budget: float) -> str:
 
 def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials | None, echo=print,
                    start_timeout: float = 60.0, resume: bool = False, began: float | None = None,
-                   node_budget: float | None = None) -> list[dict]:
+                   node_budget: float | None = None, noise: tuple[float, float] | None = None) -> list[dict]:
     """A SuperLink and ``num-clients`` SuperNodes on 127.0.0.1, one run (with ``resume``: the rest of the run in
     ``out_dir``, from its checkpoint), then every process stopped.
 
     With ``credentials`` the SuperLink serves TLS with them and admits only the registered SuperNodes;
     without, everything runs in Flower's insecure mode. With ``node_budget`` every node keeps a privacy ledger
     (``node_ledger``) and refuses replies past that epsilon against the server. ``out_dir`` records both, for a
-    resume. ``began``: as for run_simulation (the SuperNodes' start counts before the first round).
+    resume. ``began`` and ``noise``: as for run_simulation (the SuperNodes' start counts before the first round).
     """
     began = time.time() if began is None else began
     out_dir = Path(out_dir).resolve()
@@ -417,7 +434,7 @@ def deploy_locally(config: RunConfig, out_dir: Path, *, credentials: Credentials
             + "\n")
     else:
         node_budget = json.loads((out_dir / DEPLOYMENT_FILE).read_text()).get("node_budget")
-    app_dir = write_app(config, out_dir, simulation=False, resume=resume)
+    app_dir = write_app(config, out_dir, simulation=False, resume=resume, noise=noise)
     with _flower(out_dir) as flower:
         port = free_port()
         flower.connect(port, credentials.ca_cert if credentials else None)

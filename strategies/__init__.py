@@ -1,5 +1,2 @@
-"""Flower server strategies (Message API) for the fedlora algorithms.
-
-Empty until the federation milestone (issue 4): sampling, sketch aggregation, FlexLoRA's SVD
-redistribution and the accounting hook will live here, on top of ``fedlora``'s pure math.
-"""
+"""Flower's server side of fedlora: the ServerApp, the one strategy for all seven algorithms, SecAgg+ rounds, the
+canary audit and an in-process Grid for tests and benchmarks; the math they call is in ``fedlora``."""

@@ -18,7 +18,8 @@ from fedlora.clients.app import app as client_app
 from fedlora.clients.rounds import canary_train, global_state
 from fedlora.audit import (CONFIDENCE, AuditResult, canary_epsilon, canary_scores, canary_signature, model_view,
                            one_run_lower_bound, summarize)
-from fedlora.config import OUT_DIR_KEY, SIMULATION_KEY, RunConfig
+from fedlora.config import RunConfig
+from fedlora.run_keys import OUT_DIR_KEY, SIMULATION_KEY
 from fedlora.round_plan import ASSIGNED, GlobalState, RoundPlan, derive_seed
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation

@@ -55,7 +55,8 @@ class FedLoRAStrategy(Strategy):
 
     def __init__(self, protocol: ServerSide, state: GlobalState, ledger: PrivacyLedger | None,
                  sampling: SamplingScheme, phase_releases: dict, *, save: Callable[[], None] = lambda: None,
-                 simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None):
+                 simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None,
+                 nodes: int | None = None):
         self.protocol = protocol
         self.config = protocol.config
         self.state = state
@@ -66,8 +67,8 @@ class FedLoRAStrategy(Strategy):
         self.save = save
         self.progress = progress  # (round, replies arrived, messages sent) while a round's replies come in
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
-        # simulation-nodes: several clients per message, dealt over that many nodes (else a node per client)
-        self.num_nodes = self.config.flower_nodes()
+        # several clients per message, dealt over the nodes the launcher started (else a node per client)
+        self.num_nodes = nodes or self.config.flower_nodes()
         self.packed = self.num_nodes != self.sampling.num_clients
         self.nodes: dict[int, int] | None = None  # the nodes' partition-id -> node id, learned once
         # Under the simulation engine every node can train any partition: the server names it in the message instead
@@ -192,8 +193,10 @@ class FedLoRAStrategy(Strategy):
             if self.protocol.placement is NoisePlacement.SECAGG:
                 arrays = self._secure_round(grid, server_round, messages, timeout)
             else:
+                assigned = self.rounds[server_round]["assigned"]
                 arrays, _ = self.aggregate_train(server_round, gather(
-                    grid, messages, timeout=timeout, progress=lambda *counts: self.progress(server_round, *counts)))
+                    grid, messages, timeout=timeout, progress=lambda *counts: self.progress(server_round, *counts),
+                    clients=lambda node: len(assigned[node])))
             if arrays is not None:
                 return arrays
             if self.status == RESTART:

@@ -23,26 +23,31 @@ def error_line(error: Error, limit: int = 300) -> str:
 
 
 def gather(grid: Grid, messages: list[Message], *, timeout: float | None,
-           progress: Callable[[int, int], None] = lambda arrived, sent: None) -> list[Message]:
-    """Flower's send_and_receive, telling ``progress`` how many replies (error replies included) have arrived of
-    how many messages were sent, as they arrive: push, then pull until every message is answered or the timeout
-    passes."""
+           progress: Callable[[int, int], None] = lambda arrived, sent: None,
+           clients: Callable[[int], int] = lambda node: 1) -> list[Message]:
+    """Flower's send_and_receive, telling ``progress`` how many clients' replies (error replies included) have
+    arrived of how many were sent, as they arrive: push, then pull until every message is answered or the timeout
+    passes. ``clients``: how many clients the message to a node carries (several in a simulation's packed
+    messages)."""
+    weight = {message.metadata.dst_node_id: clients(message.metadata.dst_node_id) for message in messages}
     if getattr(grid, "synchronous", False):  # answers every message before it returns: nothing to watch
-        progress(0, len(messages))
+        progress(0, sum(weight.values()))
         replies = list(grid.send_and_receive(messages, timeout=timeout))
-        progress(len(replies), len(messages))
+        progress(sum(weight.get(r.metadata.src_node_id, 1) for r in replies), sum(weight.values()))
         return replies
     # as Flower's own loop, at the grid's own pace; a message the grid could not push (no id) is not waited for
-    waiting = {message_id for message_id in grid.push_messages(messages) if message_id}
-    sent, replies, interval = len(waiting), [], getattr(grid, "pull_interval", PULL_INTERVAL)
+    ids = grid.push_messages(messages)
+    waiting = {message_id: weight[m.metadata.dst_node_id] for message_id, m in zip(ids, messages) if message_id}
+    sent, replies, arrived_clients = sum(waiting.values()), [], 0
+    interval = getattr(grid, "pull_interval", PULL_INTERVAL)
     progress(0, sent)
     end = time.monotonic() + (timeout if timeout is not None else float("inf"))
     while waiting and time.monotonic() < end:
-        arrived = list(grid.pull_messages(waiting))
+        arrived = list(grid.pull_messages(list(waiting)))
         if arrived:
             replies += arrived
-            waiting -= {reply.metadata.reply_to_message_id for reply in arrived}
-            progress(len(replies), sent)
+            arrived_clients += sum(waiting.pop(reply.metadata.reply_to_message_id, 0) for reply in arrived)
+            progress(arrived_clients, sent)
         if waiting:
             time.sleep(interval)
     return replies

@@ -1,30 +1,39 @@
 """The fedlora ServerApp: calibrate the noise, run the strategy, evaluate, account, checkpoint, write the run
-directory. With ``resume`` in the run config it continues from the run directory's checkpoint."""
+directory. With ``resume`` in the run config it continues from the run directory's checkpoint.
+
+This module imports only Flower: in a simulation, the first thing the ServerApp does is to ask the nodes' Ray workers
+to load their model and data (``warm_up``), which they then do while the server imports torch and fedlora and builds
+its own, instead of in round 1.
+"""
 
 from __future__ import annotations
 
-import math
 import time
 from logging import INFO
 from pathlib import Path
 
-import psutil
-from flwr.app import Context, MetricRecord
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 from flwr.supercore import log
 
-from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
-from fedlora.config import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, run_config_of
-from fedlora.experiment import RunRecorder, load_run_config, noise_for, sampling_of
-from fedlora.server_round import ServerSide
-from fedlora.strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
+from fedlora.run_keys import NODES_KEY, NOISE_KEY, OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, WARM_UP
 
 app = ServerApp()
 
 
-def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrategy:
+def run_federation(grid: Grid, context: Context, *, echo=None):
     """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds)."""
     began = time.time()
+    import psutil  # here, not above: see the module's docstring
+    import torch
+
+    from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
+    from fedlora.config import run_config_of
+    from fedlora.experiment import RunRecorder, load_run_config, noise_for, sampling_of
+    from fedlora.server_round import ServerSide
+    from fedlora.strategies.fedlora_strategy import FedLoRAStrategy, to_arrays
+
+    imported = time.time()
     config = run_config_of(dict(context.run_config))
     simulated = bool(context.run_config.get(SIMULATION_KEY, False))  # by the simulation engine (`fedlora run`)
     if not (simulated or getattr(grid, "simulation", False)) and (problems := config.outside_simulation_problems()):
@@ -35,19 +44,27 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
         saved = Checkpoint.load(out_dir)
         if saved.status in ENDED:
             raise RuntimeError(f"The run in {out_dir} has ended ({saved.status}): there is nothing to resume.")
-    plan = noise_for(config)
+    given = context.run_config.get(NOISE_KEY)  # calibrated by the launcher already
+    plan = noise_for(config, calibrated=tuple(float(z) for z in str(given).split(",")) if given else None)
     calibrated = time.time()
     if saved and load_run_config(out_dir)[1:] != (plan.noise_multiplier, plan.probe_noise_multiplier):
         raise RuntimeError(f"The noise calibrated now differs from the one the run in {out_dir} used: it cannot be "
                            "resumed with this version.")
+    if simulated:  # the clients' Ray workers hold every core here: the server's evaluation overlaps them on one
+        torch.set_num_threads(1)
     protocol = ServerSide(config, plan.noise_multiplier, plan.probe_noise_multiplier)
     recorder = RunRecorder(config, protocol, out_dir, echo=echo or (lambda line: log(INFO, line)),
                            rows=saved.rows if saved else None)
-    strategy = FedLoRAStrategy(protocol, protocol.initial_state(protocol.build_model()), plan.new_ledger(config),
+    # the initial state on the host: from the evaluation's model where that is on the host too (the same values)
+    on_host = next(recorder.model.parameters()).device.type == "cpu"
+    initial = protocol.initial_state(recorder.model if on_host else protocol.build_model())
+    strategy = FedLoRAStrategy(protocol, initial, plan.new_ledger(config),
                                sampling_of(config), plan.phase_releases, save=lambda: recorder.save(strategy.checkpoint()),
-                               simulated=simulated, progress=recorder.progress)
+                               simulated=simulated, progress=recorder.progress,
+                               nodes=int(context.run_config.get(NODES_KEY, 0)) or None)
     # what this launch did before its first round (the nodes' query is added by the strategy), in that round's row
-    strategy.startup = {"process": began - psutil.Process().create_time(), "noise calibration": calibrated - began,
+    strategy.startup = {"process": began - psutil.Process().create_time(), "imports": imported - began,
+                        "noise calibration": calibrated - imported,
                         "model and test data": time.time() - calibrated}
     if saved:
         strategy.restore(saved)
@@ -56,23 +73,35 @@ def run_federation(grid: Grid, context: Context, *, echo=None) -> FedLoRAStrateg
                             strategy.ledger)
             strategy.save()
 
-    def evaluate_fn(server_round: int, _arrays) -> MetricRecord | None:
-        row = recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), strategy.ledger)
-        strategy.save()
-        values = {"accuracy": row["accuracy"], "loss": row["loss"], f"epsilon ({row['threat_model']})": row["epsilon"],
-                  **{f"epsilon against {observer}": value for observer, value in row["epsilon_by_observer"].items()}}
-        return MetricRecord({k: float(v) for k, v in values.items() if v is not None and math.isfinite(v)})
+    def evaluate_fn(server_round: int, _arrays) -> None:
+        # evaluated while the next round trains (the server would idle through it): its row follows, in order
+        recorder.record(server_round, strategy.state, strategy.rounds.get(server_round, {}), strategy.ledger,
+                        background=True)
 
     try:
         strategy.start(grid, to_arrays(strategy.state.broadcast), num_rounds=config.num_rounds,
                        timeout=config.reply_timeout, evaluate_fn=evaluate_fn)
-        recorder.finish(strategy.state, status=strategy.status, reason=strategy.reason)
+        recorder.finish(strategy.state, status=strategy.status, reason=strategy.reason)  # after the last row
         strategy.save()  # the final status last: an ended run has its adapter
     finally:
         recorder.close()
     return strategy
 
 
+def warm_up(grid: Grid, context: Context) -> None:
+    """In a simulation whose nodes each train several clients a message (one node per Ray worker), asks every node
+    to load its model and data now (fedlora.clients.app answers the query); its replies are not waited for: round 1's
+    messages queue behind them."""
+    config = context.run_config
+    nodes = int(config.get(NODES_KEY, 0))
+    if not config.get(SIMULATION_KEY, False) or not 0 < nodes < int(config["num-clients"]):
+        return
+    node_ids = sorted(grid.get_node_ids())
+    grid.push_messages([Message(RecordDict({"config": ConfigRecord({WARM_UP: True})}),
+                                message_type=MessageType.QUERY, dst_node_id=node) for node in node_ids[:nodes]])
+
+
 @app.main()
 def main(grid: Grid, context: Context) -> None:
+    warm_up(grid, context)
     run_federation(grid, context)

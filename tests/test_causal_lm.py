@@ -155,7 +155,7 @@ def test_a_crashed_language_model_run_resumes_to_the_uninterrupted_result(tmp_pa
     """Resume on text: a run whose server dies as round 3's messages go out continues from its checkpoint to the
     model, ledger and rows of the run that never stopped."""
     from fedlora.checkpoint import Checkpoint
-    from fedlora.config import RESUME_KEY
+    from fedlora.run_keys import RESUME_KEY
     from tests.test_reliability import Crash, CrashingGrid
 
     reference, _, _ = _run(tmp_path / "reference", num_rounds=4)

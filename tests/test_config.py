@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from fedlora.config import (OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY, ConfigError, RunConfig, load_config,
-                            packaged_presets, parse_assignment)
+from fedlora.config import ConfigError, RunConfig, load_config, packaged_presets, parse_assignment
+from fedlora.run_keys import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY
 
 
 def test_defaults_are_valid_and_keys_use_the_vocabulary():
@@ -42,7 +42,8 @@ BAD_CONFIGS = [
     ({"num-clients": 3, "clients-per-round": 4}, "clients-per-round (4) cannot exceed num-clients (3)"),
     ({"min-replies": 51}, "min-replies (51) cannot exceed clients-per-round (50)"),
     ({"num-clients": 8, "clients-per-round": 4, "simulation-nodes": 9}, "simulation-nodes (9) cannot exceed num-clients"),
-    ({"client-batch": 4}, "client-batch = 4 trains together the clients one message carries: set simulation-nodes"),
+    ({"num-clients": 8, "clients-per-round": 4, "simulation-nodes": 8, "client-batch": 4},
+     "client-batch = 4 trains together the clients one message carries: with a node per client"),
     ({"rank": 0}, "rank must be >= 1"),
     ({"rank": 500}, "Rank 500 exceeds the smallest side (192)"),
     ({"sketch-dim": 500}, "Sketch dimension 500 must lie in [1, 192] for sgmm-ffa-lora"),

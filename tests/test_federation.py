@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
 from fedlora.clients.app import app as client_app
-from fedlora.config import SIMULATION_KEY, RunConfig, run_config_of
+from fedlora.config import RunConfig, run_config_of
+from fedlora.run_keys import SIMULATION_KEY
 from fedlora.data import load_split, to_torch
 from fedlora.experiment import noise_for, reconstruct, sampling_of
 from fedlora.client_round import overlapped
@@ -224,7 +225,7 @@ def test_a_simulation_names_each_client_s_partition_instead_of_asking_the_nodes(
     assert named.nodes == dict(enumerate(sorted(named.nodes.values())))
     assert all(torch.equal(asked.state.message[n], named.state.message[n]) for n in asked.state.message)
     row = json.loads((tmp_path / "named" / "metrics.jsonl").read_text().splitlines()[0])
-    assert set(row["startup"]) == {"process", "noise calibration", "model and test data", "nodes"}
+    assert set(row["startup"]) == {"process", "imports", "noise calibration", "model and test data", "nodes"}
 
 
 def _secret_run(tmp_path, secrets_by_partition):

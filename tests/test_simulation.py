@@ -38,7 +38,7 @@ def _assert_a_finished_ray_run(run: Path, lines: list[str], config: RunConfig) -
     # what the launch spent outside its rounds: said after the last round, and kept in metrics.jsonl's last row
     fixed = rows[-1]["fixed_seconds"]
     assert rows[0]["startup"] and all(r["startup"] is None for r in rows[1:])
-    assert set(fixed) == {"before first round", "after last round", "process", "noise calibration",
+    assert set(fixed) == {"before first round", "after last round", "process", "imports", "noise calibration",
                           "model and test data", "nodes"}
     assert 0 < fixed["after last round"] and sum(rows[0]["startup"].values()) < fixed["before first round"] < 120
     said = [i for i, line in enumerate(lines) if line.startswith("outside the rounds: ")]
@@ -67,6 +67,44 @@ def test_a_ray_simulation_of_two_rounds_with_three_clients(tmp_path, monkeypatch
     rows = run_simulation(config, Path("run"), echo=lines.append)
     assert rows[-1]["fixed_seconds"] and len([line for line in lines if not line.endswith("so far")]) == 3
     _assert_a_finished_ray_run(tmp_path / "run", lines, config)
+
+
+FAST_PATH_RUNS = {  # issue 65's three: the quickstart's form, a FlexLoRA run, a secure-aggregation run
+    "quickstart": {"strategy": "sgmm-ffa-lora"},
+    "flexlora": {"strategy": "sgmm-flexlora", "noise-placement": "server", "message": "update"},
+    "secagg": {"strategy": "gm-ffa-lora", **SECAGG, "clients-per-round": 4, "min-replies": 4},
+}
+
+
+@pytest.mark.parametrize("overrides", FAST_PATH_RUNS.values(), ids=FAST_PATH_RUNS.keys())
+def test_the_fast_path_makes_the_run_a_node_per_client_makes(tmp_path, overrides):
+    """`fedlora run`'s speed-ups: a node per Ray worker, several clients a message (not under SecAgg+, where each
+    client is a party), the workers warmed up before round 1, the noise calibrated once by the command, each round
+    evaluated while the next trains. The run they make is the one a node per client makes (here in process, at the
+    Ray workers' one torch thread: the thread count moves float rounding), with the ServerApp calibrating its own
+    noise: the same metrics, epsilons and final global state, bit for bit."""
+    from benchmarks.common import run_inprocess
+    from fedlora.experiment import noise_for
+
+    config = RunConfig.from_mapping({"num-clients": 8, "clients-per-round": 4, "num-rounds": 2, "local-steps": 2,
+                                     "train-examples": 160, "test-examples": 60, **overrides})
+    plan = noise_for(config)
+    fast = run_simulation(config, tmp_path / "fast", echo=lambda line: None, workers=2,
+                          noise=(plan.noise_multiplier, plan.probe_noise_multiplier))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        slow = run_inprocess(config, tmp_path / "slow")
+    finally:
+        torch.set_num_threads(threads)
+    keep = ("accuracy", "loss", "epsilon", "epsilon_by_observer", "releases", "replies", "clip_norm", "bytes_up")
+    assert [[r[k] for k in keep] for r in fast] == [[r[k] for k in keep] for r in slow]
+    fast_state, slow_state = (Checkpoint.load(tmp_path / d).state.message for d in ("fast", "slow"))
+    assert fast_state.keys() == slow_state.keys()
+    assert all(torch.equal(fast_state[n], slow_state[n]) for n in fast_state)
+    nodes = 8 if overrides.get("noise-placement") == "secagg" else 2  # SecAgg+'s parties are one per client
+    assert f"flower-nodes = {nodes}\n" in (tmp_path / "fast" / "flower-app" / "pyproject.toml").read_text()
+    assert all(r["replies"] == config.clients_per_round for r in fast) and not leftover_flower_processes()
 
 
 def _fedlora(*args: str, **popen) -> subprocess.Popen:
