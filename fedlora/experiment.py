@@ -159,11 +159,15 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model(device=select_device())
         self.base = get_adapters(self.model)
-        self.test = test_data(config)
         self.started = time.time()
         self._evaluator: ThreadPoolExecutor | None = None  # evaluates a round while the next one trains
         self._pending: Future | None = None
         self._unwritten: tuple[int, dict] | None = None  # (round, its row's accounting) while it is evaluated
+
+    @cached_property
+    def test(self):
+        """The test split, read at the first evaluation (on the evaluation's thread, while round 2 trains)."""
+        return test_data(self.config)
 
     @property
     def can_reconstruct(self) -> bool:

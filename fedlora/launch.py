@@ -334,10 +334,13 @@ def run_simulation(config: RunConfig, out_dir: Path, *, echo=print, start_timeou
         with _flower(out_dir) as flower:
             port = free_port()
             flower.connect(port, None)
-            # Flower's Ray backend calls ray.init() in a process the SuperLink starts: the address goes by the environment
+            # Flower's Ray backend calls ray.init() in a process the SuperLink starts: the address goes by the
+            # environment, and so does Ray's prestart of a worker per CPU, which Flower's actors never use (each
+            # gets a worker of its own: on 2 CPUs, 2 idle workers started, each importing Ray, then ended)
             superlink = flower.start("superlink", [
                 "flower-superlink", "--simulation", "--insecure", "--host", "127.0.0.1", "--port", str(port),
-                "--disable-runtime-dependency-installation"], env={RAY_ADDRESS_ENV: ray_address or LOCAL})
+                "--disable-runtime-dependency-installation"],
+                env={RAY_ADDRESS_ENV: ray_address or LOCAL, "RAY_enable_worker_prestart": "0"})
             flower.wait_for_port(port, superlink, "superlink", start_timeout)
             saved = flower.follow(app_dir, config, echo, federation_config=(
                 f"num-supernodes={nodes} client-resources-num-cpus={config.client_cpus} "

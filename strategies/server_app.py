@@ -21,8 +21,9 @@ from fedlora.run_keys import NODES_KEY, NOISE_KEY, OUT_DIR_KEY, RESUME_KEY, SIMU
 app = ServerApp()
 
 
-def run_federation(grid: Grid, context: Context, *, echo=None):
-    """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds)."""
+def run_federation(grid: Grid, context: Context, *, echo=None, warming: list[str] = ()):
+    """Runs (or resumes) the configured federation on ``grid``; returns the strategy (its state, ledger, rounds).
+    ``warming``: the warm-up queries sent to the nodes, answered before the first round starts."""
     began = time.time()
     import psutil  # here, not above: see the module's docstring
     import torch
@@ -63,9 +64,11 @@ def run_federation(grid: Grid, context: Context, *, echo=None):
                                simulated=simulated, progress=recorder.progress,
                                nodes=int(context.run_config.get(NODES_KEY, 0)) or None)
     # what this launch did before its first round (the nodes' query is added by the strategy), in that round's row
+    built = time.time()
+    workers_ready(grid, list(warming), config.reply_timeout)
     strategy.startup = {"process": began - psutil.Process().create_time(), "imports": imported - began,
-                        "noise calibration": calibrated - imported,
-                        "model and test data": time.time() - calibrated}
+                        "noise calibration": calibrated - imported, "model": built - calibrated,
+                        **({"workers": time.time() - built} if warming else {})}
     if saved:
         strategy.restore(saved)
         if len(recorder.rows) < strategy.rounds_done:  # the run stopped between a round and its metrics
@@ -88,20 +91,32 @@ def run_federation(grid: Grid, context: Context, *, echo=None):
     return strategy
 
 
-def warm_up(grid: Grid, context: Context) -> None:
+def warm_up(grid: Grid, context: Context) -> list[str]:
     """In a simulation whose nodes each train several clients a message (one node per Ray worker), asks every node
-    to load its model and data now (fedlora.clients.app answers the query); its replies are not waited for: round 1's
-    messages queue behind them."""
+    to load its model and data now (fedlora.clients.app answers the query), while the server loads its own; returns
+    the queries' message ids, whose replies the first round waits for (``workers_ready``)."""
     config = context.run_config
     nodes = int(config.get(NODES_KEY, 0))
     if not config.get(SIMULATION_KEY, False) or not 0 < nodes < int(config["num-clients"]):
-        return
-    node_ids = sorted(grid.get_node_ids())
-    grid.push_messages([Message(RecordDict({"config": ConfigRecord({WARM_UP: True})}),
-                                message_type=MessageType.QUERY, dst_node_id=node) for node in node_ids[:nodes]])
+        return []
+    deadline = time.monotonic() + 60  # the engine registers its nodes as the ServerApp starts
+    while len(node_ids := sorted(grid.get_node_ids())) < nodes and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [i for i in grid.push_messages([Message(RecordDict({"config": ConfigRecord({WARM_UP: True})}),
+                                                   message_type=MessageType.QUERY, dst_node_id=node)
+                                           for node in node_ids[:nodes]]) if i]
+
+
+def workers_ready(grid: Grid, queries: list[str], timeout: float) -> None:
+    """Waits until every node answered its warm-up query (an error included: round 1 says what went wrong), so that
+    round 1 starts with workers that have loaded their model and data, or until ``timeout``."""
+    waiting, end = set(queries), time.monotonic() + timeout
+    while waiting and time.monotonic() < end:
+        waiting -= {reply.metadata.reply_to_message_id for reply in grid.pull_messages(list(waiting))}
+        if waiting:
+            time.sleep(getattr(grid, "pull_interval", 0.1))
 
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    warm_up(grid, context)
-    run_federation(grid, context)
+    run_federation(grid, context, warming=warm_up(grid, context))

@@ -225,7 +225,7 @@ def test_a_simulation_names_each_client_s_partition_instead_of_asking_the_nodes(
     assert named.nodes == dict(enumerate(sorted(named.nodes.values())))
     assert all(torch.equal(asked.state.message[n], named.state.message[n]) for n in asked.state.message)
     row = json.loads((tmp_path / "named" / "metrics.jsonl").read_text().splitlines()[0])
-    assert set(row["startup"]) == {"process", "imports", "noise calibration", "model and test data", "nodes"}
+    assert set(row["startup"]) == {"process", "imports", "noise calibration", "model", "nodes"}
 
 
 def _secret_run(tmp_path, secrets_by_partition):
