@@ -168,11 +168,15 @@ def run_peer(config: RunConfig, out_dir: Path) -> list[dict]:
 
 
 def summary(name: str, rows: list[dict], began: float, ended: float, z: float, epsilon_label: str) -> dict:
-    first = rows[0]
+    """A run's seconds: a round's from its start to the next one's (the last: to its row; fedlora evaluates a round
+    while the next trains, Flower between them), the median after the first; before the first and after the last."""
+    from fedlora.launch import round_start
+
+    bounds = [*map(round_start, rows), rows[-1]["time"]]
+    rounds = [b - a for a, b in zip(bounds, bounds[1:])]
     return {"run": name, "noise-multiplier": z, "rounds": len(rows),
-            "seconds-per-round": statistics.median(r["seconds"] for r in rows[1:]) if len(rows) > 1 else first["seconds"],
-            "first-round-seconds": first["seconds"],
-            "before-first-round-seconds": first["time"] - first["seconds"] - began,
+            "seconds-per-round": statistics.median(rounds[1:]) if len(rows) > 1 else rounds[0],
+            "first-round-seconds": rounds[0], "before-first-round-seconds": bounds[0] - began,
             "after-last-round-seconds": ended - rows[-1]["time"], "wall-seconds": ended - began,
             "accuracy": rows[-1]["accuracy"], "epsilon": rows[-1]["epsilon"], "epsilon-is": epsilon_label}
 
@@ -188,11 +192,16 @@ def main() -> None:
     from fedlora.experiment import noise_for
     from fedlora.launch import run_simulation
 
+    from fedlora.cluster import check_local_resources
+
     config = load_config("quickstart", [*TASK, *([f"num-rounds={args.rounds}"] if args.rounds else [])])
-    z = noise_for(config).noise_multiplier
+    plan = noise_for(config)
+    z = plan.noise_multiplier
     results = []
     began = time.time()
-    rows = run_simulation(config, args.out / "fedlora", echo=lambda line: print("  fedlora:", line, flush=True))
+    # as `fedlora run` launches it: a node per Ray worker, the noise calibrated above
+    rows = run_simulation(config, args.out / "fedlora", echo=lambda line: print("  fedlora:", line, flush=True),
+                          workers=check_local_resources(config), noise=(z, plan.probe_noise_multiplier))
     results.append(summary("fedlora (gm-ffa-lora)", rows, began, time.time(), z, rows[-1]["threat_model"]))
     z_flower = flower_z_for(rows[-1]["epsilon"], config)
     for name, folder, noise in (("Flower at fedlora's z", "flower-same-z", z),

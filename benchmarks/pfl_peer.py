@@ -126,6 +126,7 @@ def run_one(framework: str, preset: str, rounds: int, work: Path, **kwargs) -> d
         "cpu_steady_round": cost.cpu_between(bounds[1], bounds[-1]) / (len(rows) - 1),
         "peak_pss_bytes": cost.peak_pss_bytes, "peak_pss_by_role": cost.peak_pss_by_role,
         "cpu_by_role": cost.sampled_cpu_by_role, "steady_cpu_by_role": per_steady,
+        "before_round1_cpu_by_role": cost.role_cpu_between(cost.started, bounds[0]),
         "started_by_role": cost.started_by_role, "accuracy": rows[-1]["accuracy"],
         "accuracies": [row["accuracy"] for row in rows],
     }
@@ -193,14 +194,18 @@ def write_tables(store: dict) -> None:
         for name, (a, b), goal, met in rows:
             lines.append(f"| {name} | {a:.3g} | {b:.3g} | {a / b:.2f} | {goal} | "
                          f"{'' if met is None else ('met' if met else 'MISSED')} |")
+        lines += ["", "Where each framework's CPU goes (each one's last run): over the run, before round 1, and a "
+                      "steady round's share (CPU seconds sampled per process, by role; the tree's exact total above "
+                      "also counts what ended between samples), with each role's share of the peak memory:", "",
+                  "| framework | process | CPU seconds, the run | before round 1 | a steady round | at peak PSS, MiB |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for run in (fed[-1], pfl[-1]):
+            for role, seconds in run["cpu_by_role"].items():
+                lines.append(f"| {run['framework']} | {role} | {seconds:.1f} | "
+                             f"{run.get('before_round1_cpu_by_role', {}).get(role, 0.0):.1f} | "
+                             f"{run['steady_cpu_by_role'].get(role, 0.0):.2f} | "
+                             f"{run['peak_pss_by_role'].get(role, 0) / 2 ** 20:.0f} |")
         last = fed[-1]
-        lines += ["", "Where fedlora's CPU goes (its last run): over the run, and a steady round's share (CPU seconds "
-                      "sampled per process, by role; the tree's exact total above includes what ended between "
-                      "samples):", "",
-                  "| process | CPU seconds, the run | a steady round | peak PSS, MiB |", "|---|---:|---:|---:|"]
-        for role, seconds in last["cpu_by_role"].items():
-            lines.append(f"| {role} | {seconds:.1f} | {last['steady_cpu_by_role'].get(role, 0.0):.2f} | "
-                         f"{last['peak_pss_by_role'].get(role, 0) / 2 ** 20:.0f} |")
         lines += ["", "When each process started, seconds after the command: " + ", ".join(
             f"{role} {seconds:.1f}" for role, seconds in last["started_by_role"].items()) + ".", ""]
     lines += store.get("notes", [])

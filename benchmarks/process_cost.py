@@ -3,8 +3,9 @@
 Flower runs a federation in several processes (the CLI, the SuperLink, `flwr run`, SuperExecs, the ServerApp, the
 simulation's driver, Ray's daemons and workers) and pfl-research in several too (torchrun and its workers): a peer
 comparison must count every one. ``measure`` runs a command and samples its tree every ``interval`` seconds: each
-process's CPU seconds (user + system, its own, as last seen) and the tree's proportional set size (PSS: a library
-mapped by several processes counts once in all, split between them), whose peak it keeps. Where the machine lets it
+process's CPU seconds (user + system, its own, as last seen) and, every ``memory_interval``, the tree's proportional
+set size (PSS: a library mapped by several processes counts once in all, split between them; read from
+/proc/PID/smaps_rollup, which costs the sampler far less than walking every mapping), whose peak it keeps. Where the machine lets it
 (cgroup v1's cpuacct, as root), the command also runs in a cgroup of its own, whose counter is exact: it includes
 the processes that ended between two samples, which sampling misses.
 """
@@ -122,8 +123,17 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
     return []
 
 
+def _pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:"))
+    except (OSError, StopIteration):
+        return 0
+
+
 def measure(command: list[str], *, cwd: Path | None = None, env: dict | None = None, interval: float = 0.5,
-            stdout=None, timeout: float | None = None) -> TreeCost:
+            memory_interval: float = 1.0, stdout=None, timeout: float | None = None) -> TreeCost:
     """Runs ``command`` to its end and returns what its tree spent (see the module's docstring)."""
     cgroup = _Cgroup()
     began, started = time.time(), time.monotonic()
@@ -133,11 +143,13 @@ def measure(command: list[str], *, cwd: Path | None = None, env: dict | None = N
     seen: dict[tuple[int, float], tuple[str, float]] = {}  # (pid, create time) -> (role, CPU seconds)
     first: dict[str, float] = {}  # role -> seconds from the command's start to its first process's
     peak, peak_roles, timeline, role_timeline = 0, {}, [(began, 0.0)], [(began, {})]
+    memory_due = 0.0
     try:
         while process.poll() is None:
             if timeout is not None and time.monotonic() - started > timeout:
                 raise TimeoutError(f"{command[0]} ran past {timeout:.0f} s")
             total, roles = 0, {}
+            sample_memory = time.monotonic() >= memory_due
             for proc in cgroup.processes() if cgroup.usable else _tree(root):
                 try:
                     with proc.oneshot():
@@ -146,13 +158,16 @@ def measure(command: list[str], *, cwd: Path | None = None, env: dict | None = N
                         first[role] = min(first.get(role, math.inf), key[1] - began)
                         times = proc.cpu_times()
                         seen[key] = (role, times.user + times.system)
-                        pss = proc.memory_full_info().pss
                 except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                     continue
-                total += pss
-                roles[role] = roles.get(role, 0) + pss
-            if total > peak:
-                peak, peak_roles = total, roles
+                if sample_memory:
+                    pss = _pss(proc.pid)
+                    total += pss
+                    roles[role] = roles.get(role, 0) + pss
+            if sample_memory:
+                memory_due = time.monotonic() + memory_interval
+                if total > peak:
+                    peak, peak_roles = total, roles
             timeline.append((time.time(), cgroup.seconds() if cgroup.usable else sum(c for _, c in seen.values())))
             spent: dict[str, float] = {}
             for role, seconds in seen.values():

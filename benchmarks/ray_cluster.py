@@ -31,7 +31,8 @@ def measure(name: str, config, cpus: list[int]) -> dict:
     """One setting's rounds, on a cluster of ``len(cpus)`` nodes with those CPUs started for it on this machine."""
     with tempfile.TemporaryDirectory() as tmp, LocalCluster(cpus) as cluster:
         started = time.time()
-        rows = run_simulation(config, Path(tmp) / "run", echo=print, ray_address=cluster.address)
+        rows = run_simulation(config, Path(tmp) / "run", echo=print, ray_address=cluster.address,
+                              workers=sum(cpu // config.client_cpus for cpu in cpus))  # as `fedlora run`
         wall = time.time() - started
     return {"setting": name, "nodes": len(cpus), "cpus": sum(cpus), "first_round_seconds": rows[0]["seconds"],
             "seconds_per_round": statistics.mean(r["seconds"] for r in rows[1:]), "rounds": len(rows),

@@ -2,9 +2,9 @@
 
 A SuperNode starts a process for every message, so this module imports only Flower: a query or a stage of SecAgg+
 is answered without torch, PEFT or the data libraries, and the first message that trains imports the round's work
-(fedlora.clients.rounds). Ray workers live across messages and import it once. A simulation with
-simulation-nodes sends a node several clients in one message: it trains them (client-batch at a time) and replies
-with one release per client.
+(fedlora.clients.rounds). Ray workers live across messages and import it once, when the ServerApp's warm-up query
+asks them to before round 1. A simulation sends each node (one per Ray worker) several clients in one message: it
+trains them (client-batch at a time) and replies with one release per client.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
 
-from fedlora.run_keys import WARM_UP
+from fedlora.run_keys import SIMULATION_KEY, WARM_UP
 
 app = ClientApp()
 _fresh_process = True  # a SuperNode starts a process per message; Ray workers live across messages
@@ -37,9 +37,12 @@ def identify(msg: Message, context: Context) -> Message:
     nodes hold the sketch secret, its fingerprint; or, asked to warm up (a simulation's ServerApp asks first thing),
     nothing once the round's work is loaded."""
     if "config" in msg.content.config_records and msg.content["config"].get(WARM_UP):
+        if not context.run_config.get(SIMULATION_KEY, False):  # a device trains its own data: nothing to warm
+            raise ValueError("Only a simulation's workers warm up: this node is not one.")
         from fedlora.clients import rounds
 
         rounds.warm_up(context)
+        _startup_seconds()  # the worker's start is the warm-up's, reported by the server as its wait for workers
         return Message(RecordDict(), reply_to=msg)
     from fedlora.config import run_config_of
     from fedlora.node import NodeSettings, secret_fingerprint

@@ -200,8 +200,10 @@ class RunConfig:
                                      "dealt over them, several per message (0: one per Ray worker, as many as train "
                                      "at once, where every client may share a node, else one per client; "
                                      "num-clients: one per client, each sampled client a message, as in a "
-                                     "deployment, whose thousands of nodes Flower's engine polls). The same run "
-                                     "either way: each client trains as alone", low=0)
+                                     "deployment, whose thousands of nodes Flower's engine polls). On a CPU the "
+                                     "same run, bit for bit, either way; on a GPU a message's clients train "
+                                     "client-batch at a time, each as alone up to floating-point summation order",
+                             low=0)
     precision: str = _opt("auto", "the clients' and the server's forward and backward passes: bf16 autocast (the "
                                   "matrix products in bfloat16; the parameters, their gradients, the loss, clipping, "
                                   "sketches and noise in float32), bf16-backbone (bf16, and the frozen backbone "
@@ -287,9 +289,10 @@ class RunConfig:
         if self.simulation_nodes > self.num_clients:
             problems.append(f"simulation-nodes ({self.simulation_nodes}) cannot exceed num-clients "
                             f"({self.num_clients}).")
-        if self.client_batch > 1 and self.simulation_nodes == self.num_clients:
+        if self.client_batch > 1 and (self.simulation_nodes == self.num_clients or self.noise_placement == "secagg"):
             problems.append(f"client-batch = {self.client_batch} trains together the clients one message carries: "
-                            "with a node per client (simulation-nodes = num-clients) each message carries one.")
+                            "with a node per client (simulation-nodes = num-clients, or noise-placement = \"secagg\") "
+                            "each message carries one.")
         if self.min_replies > self.clients_per_round:
             problems.append(f"min-replies ({self.min_replies}) cannot exceed clients-per-round "
                             f"({self.clients_per_round}).")

@@ -145,8 +145,9 @@ class RunRecorder:
     """
 
     def __init__(self, config: RunConfig, protocol: RoundPlan, out_dir: Path, *, echo=print,
-                 rows: list[dict] | None = None):
+                 rows: list[dict] | None = None, evaluation_threads: int | None = None):
         self.config, self.protocol, self.out_dir, self.echo = config, protocol, Path(out_dir), echo
+        self.evaluation_threads = evaluation_threads  # torch's threads for a background evaluation (None: as now)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         if rows is None:
             (self.out_dir / "config.json").write_text(json.dumps(
@@ -159,15 +160,11 @@ class RunRecorder:
         clear_progress(self.out_dir)
         self.model = protocol.build_model(device=select_device())
         self.base = get_adapters(self.model)
+        self.test = test_data(config)  # read before round 1: unreadable test data stops the run before a release
         self.started = time.time()
         self._evaluator: ThreadPoolExecutor | None = None  # evaluates a round while the next one trains
         self._pending: Future | None = None
         self._unwritten: tuple[int, dict] | None = None  # (round, its row's accounting) while it is evaluated
-
-    @cached_property
-    def test(self):
-        """The test split, read at the first evaluation (on the evaluation's thread, while round 2 trains)."""
-        return test_data(self.config)
 
     @property
     def can_reconstruct(self) -> bool:
@@ -194,8 +191,11 @@ class RunRecorder:
         accounted = info.get("accounted") or self._accounted(round_, info, ledger)
         if not background:
             return self._complete(round_, state if due else None, accounted)
-        if self._evaluator is None:
-            self._evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlora-evaluation")
+        if self._evaluator is None:  # torch's intra-op threads are set per thread: the caller's stay as they are
+            threads = self.evaluation_threads
+            self._evaluator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fedlora-evaluation",
+                                                 initializer=(lambda: torch.set_num_threads(threads)) if threads
+                                                 else None)
         self._unwritten = (round_, accounted)
         self._pending = self._evaluator.submit(self._complete, round_, state if due else None, accounted)
         return None
@@ -257,6 +257,12 @@ class RunRecorder:
             pending.result()
         return self.rows
 
+    def raise_if_failed(self) -> None:
+        """Raises what the evaluation under way raised if it has ended so (without waiting for one that runs): the
+        strategy asks before each release, so that a run whose evaluation failed spends no further release."""
+        if self._pending is not None and self._pending.done() and self._pending.exception() is not None:
+            self.wait()
+
     def progress(self, round_: int, arrived: int, sent: int) -> None:
         """The replies of the round under way so far, for the launcher to show while the round runs."""
         write_progress(self.out_dir, round_, arrived, sent)
@@ -266,8 +272,8 @@ class RunRecorder:
         evaluation may be under way (a resumed run records a missing last row from the checkpoint's state)."""
         if checkpoint.rounds_done > len(self.rows) + 1:
             self.wait()
+        pending = self._unwritten  # before the rows: the evaluation's thread appends a row, then clears this
         checkpoint.rows = list(self.rows)
-        pending = self._unwritten
         if pending is not None and pending[0] == checkpoint.rounds_done and len(checkpoint.rows) < pending[0]:
             checkpoint.round_info = {**checkpoint.round_info, "accounted": pending[1]}
         checkpoint.save(self.out_dir)

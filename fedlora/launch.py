@@ -239,8 +239,8 @@ def round_start(row: dict) -> float:
 def record_fixed_cost(out_dir: Path, rows: list[dict], began: float, ended: float | None = None) -> dict | None:
     """What the launch spent outside its rounds, added to metrics.jsonl's last row as "fixed_seconds": from ``began``
     (the command's start) to the start of the first round it ran, and from the last round's row to ``ended``
-    (default: now), with the ServerApp's parts of the first ("startup": its process, noise calibration, model and
-    test data, the nodes). None when the launch ran no round."""
+    (default: now), with the ServerApp's parts of the first ("startup": its process, imports, noise calibration,
+    model, the workers' warm-up, the nodes). None when the launch ran no round."""
     # the first round this launch ran (a resumed run's rows start with its earlier launches')
     first = next((row for row in rows if row.get("startup") and round_start(row) >= began), None)
     if first is None:

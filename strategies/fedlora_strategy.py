@@ -37,7 +37,7 @@ def _mean_telemetry(metrics: list) -> dict[str, float]:
             for key in ("train-loss", "train-seconds", "privatize-seconds", "startup-seconds")}
 
 
-# what a round's info holds that its metrics row reads (fedlora.experiment.RunRecorder.record)
+# what a round's info holds that its metrics row reads (fedlora.experiment.RunRecorder._accounted)
 ROUND_TELEMETRY = ("release", "sampled", "replies", "failed", "rejected", "nodes", "bytes_up", "bytes_down",
                    "aggregation_seconds", "train_seconds", "privatize_seconds", "startup_seconds", "train_loss",
                    "clip_norm", "clip_fraction", "startup")
@@ -56,7 +56,7 @@ class FedLoRAStrategy(Strategy):
     def __init__(self, protocol: ServerSide, state: GlobalState, ledger: PrivacyLedger | None,
                  sampling: SamplingScheme, phase_releases: dict, *, save: Callable[[], None] = lambda: None,
                  simulated: bool = False, progress: Callable[[int, int, int], None] = lambda round_, arrived, sent: None,
-                 nodes: int | None = None):
+                 nodes: int | None = None, before_release: Callable[[], None] = lambda: None):
         self.protocol = protocol
         self.config = protocol.config
         self.state = state
@@ -65,7 +65,8 @@ class FedLoRAStrategy(Strategy):
         self.sampling = sampling
         self.phase_releases = phase_releases  # phase -> what one release of that phase is, for the ledger
         self.save = save
-        self.progress = progress  # (round, replies arrived, messages sent) while a round's replies come in
+        self.progress = progress  # (round, clients' replies arrived, clients sent) while a round's replies come in
+        self.before_release = before_release  # raises if the run must stop before its next release (a failed evaluation)
         self.simulated = simulated  # under the simulation engine a lost worker means a restart (see launch.py)
         # several clients per message, dealt over the nodes the launcher started (else a node per client)
         self.num_nodes = nodes or self.config.flower_nodes()
@@ -164,7 +165,7 @@ class FedLoRAStrategy(Strategy):
             info = self.rounds.setdefault(server_round, {})
             info["round_seconds"] = time.time() - info.get("started", time.time())  # for a recovered row
             self.save()  # the round is done: evaluating it must not be able to lose it
-            if evaluate_fn:  # records the round's metrics and saves the checkpoint with them
+            if evaluate_fn:  # records the round's metrics (the next save has them, or their accounting)
                 metrics = evaluate_fn(server_round, arrays)
                 if metrics is not None:
                     result.evaluate_metrics_serverapp[server_round] = metrics
@@ -283,6 +284,7 @@ class FedLoRAStrategy(Strategy):
                         grid: Grid) -> Iterable[Message]:
         """Samples the round's clients, records the release in the ledger and checkpoints it, then returns
         the messages (the global adapters and the round's public parameters)."""
+        self.before_release()  # before anything is counted: a run that must stop spends nothing more
         startup = None
         if self.nodes is None:
             asked = time.time()

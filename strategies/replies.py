@@ -36,8 +36,10 @@ def gather(grid: Grid, messages: list[Message], *, timeout: float | None,
         progress(sum(weight.get(r.metadata.src_node_id, 1) for r in replies), sum(weight.values()))
         return replies
     # as Flower's own loop, at the grid's own pace; a message the grid could not push (no id) is not waited for
-    ids = grid.push_messages(messages)
-    waiting = {message_id: weight[m.metadata.dst_node_id] for message_id, m in zip(ids, messages) if message_id}
+    pushed = {message_id for message_id in grid.push_messages(messages) if message_id}
+    # a grid names each message it pushes (in the message too); one it could not push is not waited for
+    waiting = {m.metadata.message_id: weight[m.metadata.dst_node_id] for m in messages
+               if m.metadata.message_id in pushed}
     sent, replies, arrived_clients = sum(waiting.values()), [], 0
     interval = getattr(grid, "pull_interval", PULL_INTERVAL)
     progress(0, sent)

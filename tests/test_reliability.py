@@ -577,3 +577,34 @@ def test_a_failed_client_is_told_by_the_error_it_raised_last():
     assert error_line(Error(code=0, reason=ray)) == "ValueError: The dataset at hf:x cannot be read: download it first."
     assert error_line(Error(code=0, reason="RuntimeError: out of memory")) == "RuntimeError: out of memory"
     assert error_line(Error(code=3, reason="node busy\nretry later")) == "node busy"
+
+
+def test_an_evaluation_that_fails_stops_the_run_with_its_error_and_the_run_resumes_to_the_uninterrupted_result(
+        tmp_path, monkeypatch):
+    """A round is evaluated while the next one trains: an evaluation that raises stops the run with its error (no
+    hang), having spent at most the release of the round under way, which the checkpoint counts; resumed, the run
+    ends where the uninterrupted one ends, every row written once, in order."""
+    from fedlora.experiment import RunRecorder
+
+    reference, _ = _run(tmp_path / "reference", num_rounds=4)
+    original, calls = RunRecorder.evaluate, []
+
+    def evaluate(self, state):
+        calls.append(1)
+        if len(calls) == 2:
+            raise Crash("the test split could not be read")
+        return original(self, state)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(RunRecorder, "evaluate", evaluate)
+        with pytest.raises(Crash, match="the test split could not be read"):
+            _run(tmp_path / "crashed", num_rounds=4)
+    cut = Checkpoint.load(tmp_path / "crashed")
+    assert cut.rounds_done in (2, 3) and cut.releases <= cut.rounds_done + 1
+    resumed, _ = _resume(tmp_path / "crashed", num_rounds=4)
+    rows, expected = _rows(tmp_path / "crashed"), _rows(tmp_path / "reference")
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert [r["epsilon"] for r in rows] == [r["epsilon"] for r in expected]
+    assert [r["accuracy"] for r in rows] == [r["accuracy"] for r in expected]
+    for name, t in reference.state.message.items():
+        assert torch.equal(resumed.state.message[name], t), name
