@@ -61,6 +61,8 @@ class TrickleGrid:
 
     def push_messages(self, messages):
         self.pending = [(f"m{i}", m.metadata.dst_node_id) for i, m in enumerate(messages)]
+        for (message_id, node), message in zip(self.pending, messages):  # as Flower's grids name what they push
+            message.metadata.__dict__["_message_id"] = message_id if node else ""
         return [message_id if node else None for message_id, node in self.pending]
 
     def pull_messages(self, message_ids):
