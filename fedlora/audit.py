@@ -64,6 +64,45 @@ def tpr_at_fpr(members: np.ndarray, others: np.ndarray, fpr: float) -> float:
     return float(np.mean(members > threshold))
 
 
+def auc_interval(members: np.ndarray, others: np.ndarray, confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """A two-sided interval for the AUC (DeLong et al. 1988: the variance of the Mann-Whitney statistic from each
+    sample's placements among the other), clipped to [0, 1]. Asymptotic: with a few dozen per side its coverage is
+    approximate, and at an AUC of exactly 0 or 1 it has no width."""
+    members, others = np.asarray(members, dtype=float), np.asarray(others, dtype=float)
+    n1, n0 = len(members), len(others)
+    if n1 < 2 or n0 < 2:
+        raise ValueError("An AUC interval needs at least two scores on each side.")
+    ranks = stats.rankdata(np.concatenate([members, others]))
+    # a member's placement: the fraction of non-members it beats (ties half); a non-member's: of members beating it
+    member_place = (ranks[:n1] - stats.rankdata(members)) / n0
+    other_place = 1 - (ranks[n1:] - stats.rankdata(others)) / n1
+    auc = float(member_place.mean())
+    half = stats.norm.ppf((1 + confidence) / 2) * math.sqrt(member_place.var(ddof=1) / n1 +
+                                                             other_place.var(ddof=1) / n0)
+    return max(0.0, auc - half), min(1.0, auc + half)
+
+
+def tpr_interval(members: np.ndarray, others: np.ndarray, fpr: float,
+                 confidence: float = CONFIDENCE) -> tuple[float, float]:
+    """Clopper-Pearson for the TPR at ``tpr_at_fpr``'s threshold (the threshold taken as given: the non-members'
+    quantile moves it too, so with few non-members at FPR 1% read the TPR as rough)."""
+    members = np.asarray(members, dtype=float)
+    n, k = len(members), int(np.sum(members > np.quantile(others, 1 - fpr, method="higher")))
+    tail = (1 - confidence) / 2
+    return (float(stats.beta.ppf(tail, k, n - k + 1)) if k else 0.0,
+            float(stats.beta.ppf(1 - tail, k + 1, n - k)) if k < n else 1.0)
+
+
+def exposure(canaries: np.ndarray, candidates: np.ndarray) -> np.ndarray:
+    """Each canary's exposure in bits (Carlini et al. 2019, "The Secret Sharer"): log2 of how many sequences it was
+    drawn among (the candidates, drawn alike but never inserted, and itself) less log2 of its rank among them by
+    score (1: scored above every candidate; ties count against it). At most log2(candidates + 1); a canary the
+    model never saw has a uniform rank, so its expected exposure is about log2(e) = 1.44 bits."""
+    canaries, candidates = np.asarray(canaries, dtype=float), np.sort(np.asarray(candidates, dtype=float))
+    rank = 1 + len(candidates) - np.searchsorted(candidates, canaries, side="left")
+    return np.log2(len(candidates) + 1) - np.log2(rank)
+
+
 def _epsilons(tp: np.ndarray, n1: int, fp: np.ndarray, n0: int, delta: float, level: float) -> np.ndarray:
     """log((TPR_low - delta) / FPR_high) with one-sided Clopper-Pearson bounds, each at ``level``."""
     tpr_low = np.where(tp > 0, stats.beta.ppf(level, np.maximum(tp, 1), n1 - tp + 1), 0.0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from scipy import stats
 
-from fedlora.audit import (audit_mechanism, audit_secure_sum, canary_epsilon, canary_scores, canary_signature, epsilon_lower_bound,
-                           gaussian_pair_epsilon, roc_auc, tpr_at_fpr)
+from fedlora.audit import (audit_mechanism, audit_secure_sum, auc_interval, canary_epsilon, canary_scores, canary_signature,
+                           epsilon_lower_bound, exposure, gaussian_pair_epsilon, roc_auc, tpr_at_fpr, tpr_interval)
 from fedlora.cli import main
 from fedlora.config import RunConfig, load_config, parse_assignment
 from fedlora.federation import Protocol
@@ -28,6 +28,35 @@ def test_auc_and_tpr_at_fpr_of_known_samples():
     assert roc_auc(np.array([1.0, 1.0]), np.array([1.0, 1.0])) == 0.5
     others = np.arange(100.0)  # threshold at FPR 10%: 90
     assert tpr_at_fpr(np.array([95.0, 91.0, 50.0, 10.0]), others, 0.1) == 0.5
+
+
+def test_the_auc_interval_covers_chance_without_a_signal_and_leaves_it_with_one():
+    rng = np.random.default_rng(0)
+    covered = [auc_interval(rng.normal(size=60), rng.normal(size=60)) for _ in range(400)]
+    assert 0.92 <= np.mean([lo <= 0.5 <= hi for lo, hi in covered]) <= 0.98  # about its 95%
+    lo, hi = auc_interval(rng.normal(2, 1, 60), rng.normal(size=60))
+    true_auc = stats.norm.cdf(2 / math.sqrt(2))  # P(X > Y) for X ~ N(2, 1), Y ~ N(0, 1)
+    assert 0.5 < lo <= true_auc <= hi
+    with pytest.raises(ValueError):
+        auc_interval(np.array([1.0]), np.array([0.0, 1.0]))
+
+
+def test_the_tpr_interval_is_clopper_pearsons_at_the_threshold():
+    others = np.arange(100.0)  # threshold at FPR 10%: 90
+    members = np.array([95.0, 91.0, 50.0, 10.0])
+    lo, hi = tpr_interval(members, others, 0.1)
+    assert lo == pytest.approx(stats.beta.ppf(0.025, 2, 3)) and hi == pytest.approx(stats.beta.ppf(0.975, 3, 2))
+    assert tpr_interval(np.array([99.5, 99.9]), others, 0.1)[1] == 1.0
+    assert tpr_interval(np.array([1.0, 2.0]), others, 0.1)[0] == 0.0
+
+
+def test_exposure_is_full_above_every_candidate_and_about_log2_e_for_a_canary_never_seen():
+    candidates = np.arange(1023.0)
+    assert exposure(np.array([5000.0]), candidates)[0] == pytest.approx(10.0)  # log2(1024)
+    assert exposure(np.array([-1.0]), candidates)[0] == pytest.approx(0.0)  # below all: rank 1024
+    rng = np.random.default_rng(1)
+    unseen = exposure(rng.normal(size=4000), rng.normal(size=1023))
+    assert abs(unseen.mean() - math.log2(math.e)) < 0.1
 
 
 def test_gaussian_pair_epsilon_matches_the_gaussian_dp_closed_form():
