@@ -1,0 +1,138 @@
+"""The text audit's runs (issue 66): the audited federation over the folder fedlora.text_audit writes (canaries in
+chosen clients' text, an auxiliary split no client holds), and the reference federation over that auxiliary split,
+both the product's ServerApp and ClientApp in process; then the attacks of fedlora.text_audit and fedlora.audit."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Context, RecordDict
+from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
+
+from fedlora.audit import (CONFIDENCE, auc_interval, exposure, one_run_lower_bound, roc_auc, tpr_at_fpr,
+                           tpr_interval)
+from fedlora.clients.app import app as client_app
+from fedlora.config import RunConfig
+from fedlora.lora import get_adapters
+from fedlora.round_plan import GlobalState, derive_seed
+from fedlora.run_keys import OUT_DIR_KEY, SIMULATION_KEY
+from fedlora.strategies.inprocess_grid import InProcessGrid
+from fedlora.strategies.server_app import run_federation
+from fedlora.text import load_tokenizer, partition_units, text_splits, tokenized_units, tokenizer_of
+from fedlora.text_audit import TextCanaries, sequence_losses, text_loss, write_audit_text, write_reference_text
+
+MIN_TEXT_CANARIES = 20
+
+
+def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
+    """Every reason the text audit cannot run, before anything starts (one sentence each)."""
+    problems = []
+    if config.task.name != "causal-lm":
+        problems.append(f"The text audit attacks a language model's federation; {config.model} is not a language "
+                        "model (the canary audit, --canaries, audits any task).")
+    if aux_units < 1:
+        problems.append("Membership inference needs a reference model trained on an auxiliary split no client holds: "
+                        "set --aux-units A (the last A units of the training text).")
+    if not MIN_TEXT_CANARIES <= canaries <= config.num_clients:
+        problems.append(f"Text canaries must number at least {MIN_TEXT_CANARIES} and at most num-clients "
+                        f"({config.num_clients}), got {canaries}.")
+    if config.sampling != "fixed":  # a canary client's text with or without its canary: a replaced client
+        problems.append('The text audit compares with the replace-one accountant of fixed sampling: use sampling = '
+                        '"fixed".')
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _federate(config: RunConfig, dataset: str, out_dir: Path, echo, **overrides):
+    run_config = {**config.to_mapping(), "dataset": dataset, **overrides, OUT_DIR_KEY: str(out_dir),
+                  SIMULATION_KEY: True}
+    grid = InProcessGrid(client_app, int(run_config["num-clients"]), run_config)
+    flower = logging.getLogger(FLOWER_LOGGER)
+    level, _ = flower.level, flower.setLevel(logging.WARNING)
+    try:
+        return run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(),
+                                            run_config=run_config), echo=echo)
+    finally:
+        flower.setLevel(level)
+
+
+def _final_model(strategy):
+    """The global model the run ends with, as a client loads it."""
+    protocol = strategy.protocol
+    model = protocol.build_model()
+    protocol.load_global(model, GlobalState(strategy.state.broadcast, strategy.state.produced_by), get_adapters(model))
+    return model.eval()
+
+
+def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Path, repeats: int = 4, length: int = 8,
+               candidates: int = 1000, echo=print) -> dict:
+    """Runs the audited and the reference federations and attacks the audited model: membership by loss difference
+    (members: the clients the sampler drew at least once; non-members: those it never drew; canary clients left
+    out of both), and canary exposure with the one-run lower bound."""
+    check_text_audit(config, canaries, aux_units)
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(tokenizer_of(config))
+    splits = text_splits(config.dataset, text_column=config.text_column, client_column=config.client_column)
+    units = len(splits.train) - aux_units
+    rng = np.random.default_rng(derive_seed(config.seed, "text-canary-clients"))
+    canary_clients = sorted(rng.choice(config.num_clients, size=canaries, replace=False).tolist())
+    drawn = TextCanaries.draw(tokenizer, canary_clients, length=length, candidates=candidates, repeats=repeats,
+                              seed=derive_seed(config.seed, "text-canaries"))
+    first_unit = {c: partition_units(config.partitioner, units=units, num_partitions=config.num_clients,
+                                     partition_id=c, seed=config.seed)[0] for c in canary_clients}
+    written = {first_unit[c]: text for c, text in drawn.written(tokenizer).items()}
+    root = write_audit_text(splits, out_dir / "text", clients=config.num_clients, aux_units=aux_units,
+                            written=written)
+    echo(f"the audited federation: {config.strategy}, {canaries} canary clients ({int(drawn.included.sum())} with "
+         f"their canary), {aux_units} units kept out as the auxiliary split")
+    audited = _federate(config, f"folder:{root}", out_dir / "audited", echo)
+    reference_root = write_reference_text(splits, out_dir / "reference-text", aux_units=aux_units)
+    reference_strategy = "flexlora" if audited.protocol.mode.name == "FLEX" else "ffa-lora"
+    echo(f"the reference federation: {reference_strategy} (no noise) over the {aux_units} auxiliary units")
+    reference = _federate(config, f"folder:{reference_root}", out_dir / "reference", echo,
+                          strategy=reference_strategy, **{"num-clients": min(aux_units, config.num_clients),
+                                                          "clients-per-round": min(config.clients_per_round,
+                                                                                   aux_units)})
+    model, reference_model = _final_model(audited), _final_model(reference)
+
+    sampled = set()
+    for release in range(1, audited.releases + 1):
+        sampled.update(audited.sampling.draw(audited.protocol.sampling_generator(release)))
+    client_units = tokenized_units(f"folder:{root}", "train", tokenizer_of(config))
+    eos = tokenizer.eos_id
+
+    def score(client: int) -> float:
+        own = [client_units[i] for i in partition_units(config.partitioner, units=units,
+                                                        num_partitions=config.num_clients, partition_id=client,
+                                                        seed=config.seed)]
+        return text_loss(reference_model, own, config.seq_len, eos) - text_loss(model, own, config.seq_len, eos)
+
+    plain = [c for c in range(config.num_clients) if c not in set(canary_clients)]
+    members = np.array([score(c) for c in plain if c in sampled])
+    others = np.array([score(c) for c in plain if c not in sampled])
+    membership = {"members": len(members), "non_members": len(others)}
+    if len(members) >= 2 and len(others) >= 2:
+        membership |= {"auc": roc_auc(members, others), "auc_interval": auc_interval(members, others),
+                       **{f"tpr_at_fpr_{fpr}": tpr_at_fpr(members, others, fpr) for fpr in (0.1, 0.01)},
+                       **{f"tpr_at_fpr_{fpr}_interval": tpr_interval(members, others, fpr) for fpr in (0.1, 0.01)}}
+
+    canary_scores = -sequence_losses(model, list(drawn.sequences), eos)
+    null = -sequence_losses(model, list(drawn.candidates), eos)
+    bits = exposure(canary_scores, null)
+    ledger = audited.ledger
+    return {
+        "strategy": config.strategy, "threat_model": ledger.trust_model if ledger else "not private",
+        "accountant_epsilon": ledger.report().epsilon if ledger else math.inf, "delta": config.delta,
+        "membership": membership,
+        "canaries": {"count": canaries, "included": int(drawn.included.sum()), "repeats": repeats, "length": length,
+                     "candidates": candidates, "exposure_included": float(bits[drawn.included].mean()),
+                     "exposure_excluded": float(bits[~drawn.included].mean()),
+                     "exposure_max": float(np.log2(candidates + 1)),
+                     "one_run_lower_bound": one_run_lower_bound(canary_scores, drawn.included, delta=config.delta),
+                     "confidence": CONFIDENCE},
+        "seconds": time.perf_counter() - started,
+    }
