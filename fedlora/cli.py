@@ -791,6 +791,8 @@ def audit(args: argparse.Namespace) -> dict:
 
     preset = [] if args.config else [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
     config = load_config(args.config, preset + args.set)
+    if args.text:
+        return _text_audit(args, config)
     if config.sketch_secret == "node-file":
         raise CLIError('The audit simulates the clients: use sketch-secret = "run-seed".')
     canaries = min(300, config.num_clients * 3 // 4) if args.canaries is None else args.canaries
@@ -837,6 +839,45 @@ def audit(args: argparse.Namespace) -> dict:
         result["federation"] = audit_federation(config, canaries, out_dir / "run", echo=say).to_json()
         say(_audit_lines(result["federation"]))
     out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "audit.json").write_text(json.dumps(result, indent=2) + "\n")
+    say(f"done: {out_dir / 'audit.json'}")
+    return result
+
+
+def _text_audit(args: argparse.Namespace, config) -> dict:
+    """`fedlora audit --text`: the text attacks on a language model's federation (strategies.text_audit), checked
+    before anything runs."""
+    import time
+    from pathlib import Path
+
+    from fedlora.experiment import check_before_start, noise_for
+    from fedlora.strategies.text_audit import audit_text, check_text_audit
+
+    canaries = min(100, config.num_clients // 2) if args.canaries is None else args.canaries
+    check_text_audit(config, canaries, args.aux_units)
+    check_before_start(config)
+    noise_for(config)  # raises for an unreachable target epsilon
+    out_dir = Path(args.out or f"runs/audit-text-{config.strategy}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        raise CLIError(f"'{out_dir}' is not empty: choose another --out.")
+    _output_dir(out_dir, "--out")
+    say = (lambda line: None) if args.json else print
+    say(f"fedlora audit --text: {config.strategy} on {config.dataset}, {config.num_rounds} rounds, "
+        f"{config.clients_per_round} of {config.num_clients} clients a round")
+    result = audit_text(config, canaries=canaries, aux_units=args.aux_units, out_dir=out_dir, echo=say)
+    m, c = result["membership"], result["canaries"]
+    if "auc" in m:
+        say(f"  membership (a client whose text took part; its loss under the reference less under the model): AUC "
+            f"{m['auc']:.3f} [{m['auc_interval'][0]:.3f}, {m['auc_interval'][1]:.3f}], TPR {m['tpr_at_fpr_0.1']:.3f} "
+            f"at FPR 10%, {m['tpr_at_fpr_0.01']:.3f} at FPR 1% ({m['members']} members, {m['non_members']} not)")
+    else:
+        say(f"  membership: not measured ({m['members']} members, {m['non_members']} not: two of each needed)")
+    say(f"  canaries: {c['included']} of {c['count']} written {c['repeats']} times, exposure {c['exposure_included']:.2f} "
+        f"bits (at most {c['exposure_max']:.2f}; {c['exposure_excluded']:.2f} for those left out, about 1.44 by "
+        f"chance); one-run lower bound epsilon {c['one_run_lower_bound']:.3f} at {c['confidence']:.0%} confidence")
+    say(f"  accountant epsilon {_epsilon_text(result['accountant_epsilon'] if math.isfinite(result['accountant_epsilon']) else None)} "
+        f"at delta {result['delta']:g} ({result['threat_model']})")
+    result["accountant_epsilon"] = result["accountant_epsilon"] if math.isfinite(result["accountant_epsilon"]) else None
     (out_dir / "audit.json").write_text(json.dumps(result, indent=2) + "\n")
     say(f"done: {out_dir / 'audit.json'}")
     return result
@@ -949,6 +990,11 @@ def build_parser() -> argparse.ArgumentParser:
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
                                                                "clients, at most 300, none if that is under 100; "
                                                                "0 skips the run)")
+    au.add_argument("--text", action="store_true", help="a language model's federation at client level: membership "
+                    "inference by loss against a reference federation on --aux-units, and text canaries' exposure "
+                    "(--canaries of them, default 100 or half the clients)")
+    au.add_argument("--aux-units", type=int, default=0, help="--text: the last training units (chapters, files) kept "
+                                                             "from every client, the reference model's data")
     au.add_argument("--out", type=_path_arg, help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -40,6 +40,13 @@ def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
     if not MIN_TEXT_CANARIES <= canaries <= config.num_clients:
         problems.append(f"Text canaries must number at least {MIN_TEXT_CANARIES} and at most num-clients "
                         f"({config.num_clients}), got {canaries}.")
+    elif config.task.name == "causal-lm":
+        units = len(text_splits(config.dataset, text_column=config.text_column,
+                                client_column=config.client_column).train)
+        if config.num_clients + aux_units > units:
+            problems.append(f"{config.dataset} has {units} training units: {config.num_clients} clients and an "
+                            f"auxiliary split of {aux_units} need {config.num_clients + aux_units} (lower "
+                            "num-clients or --aux-units).")
     if config.sampling != "fixed":  # a canary client's text with or without its canary: a replaced client
         problems.append('The text audit compares with the replace-one accountant of fixed sampling: use sampling = '
                         '"fixed".')

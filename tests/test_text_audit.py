@@ -126,6 +126,25 @@ def test_the_text_audit_refuses_a_run_without_an_auxiliary_split_in_one_line(tmp
     with pytest.raises(ValueError, match="--aux-units") as refused:
         check_text_audit(_text_config(tmp_path), canaries=20, aux_units=0)
     assert "\n" not in str(refused.value)
+    with pytest.raises(ValueError, match="need 75"):  # 70 units of training text
+        check_text_audit(_text_config(tmp_path), canaries=20, aux_units=15)
+
+
+def test_fedlora_audit_text_prints_its_attacks_beside_the_accountant_and_refuses_bad_input_in_one_line(tmp_path,
+                                                                                                        capsys):
+    from fedlora.cli import main
+
+    config = _text_config(tmp_path)
+    sets = ["--set", f"model=gpt2-tiny", f"dataset={config.dataset}", "partitioner=natural", "head=frozen",
+            "num-clients=60", "clients-per-round=20", "num-rounds=2", "local-steps=2", "batch-size=4", "seq-len=16",
+            "strategy=ffa-lora"]
+    assert main(["audit", "--text", *sets, "--out", str(tmp_path / "refused")]) == 2
+    assert not (tmp_path / "refused").exists()
+    assert capsys.readouterr().err.count("\n") == 1  # one line: the auxiliary split
+    assert main(["audit", "--text", "--aux-units", "10", "--canaries", "20", *sets, "--out", str(tmp_path / "audit")]) == 0
+    out = capsys.readouterr().out
+    assert "membership" in out and "exposure" in out and "accountant epsilon inf" in out
+    assert (tmp_path / "audit" / "audit.json").is_file()
 
 
 def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_canary(tmp_path):
