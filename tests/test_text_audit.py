@@ -135,7 +135,7 @@ def test_fedlora_audit_text_prints_its_attacks_beside_the_accountant_and_refuses
     from fedlora.cli import main
 
     config = _text_config(tmp_path)
-    sets = ["--set", f"model=gpt2-tiny", f"dataset={config.dataset}", "partitioner=natural", "head=frozen",
+    sets = ["--set", "model=gpt2-tiny", f"dataset={config.dataset}", "partitioner=natural", "head=frozen",
             "num-clients=60", "clients-per-round=20", "num-rounds=2", "local-steps=2", "batch-size=4", "seq-len=16",
             "strategy=ffa-lora"]
     assert main(["audit", "--text", *sets, "--out", str(tmp_path / "refused")]) == 2
