@@ -219,7 +219,8 @@ def main() -> None:
             done = {**(json.loads(store.read_text()) if store.is_file() else {}), key: result}
             RESULTS.mkdir(exist_ok=True)
             store.write_text(json.dumps(done, indent=1) + "\n")
-            print(f"== [{i + 1}/{len(todo)}] {key}: accuracy {result['accuracy'][-1]:.3f} "
+            metric = "perplexity" if "perplexity" in result else "accuracy"
+            print(f"== [{i + 1}/{len(todo)}] {key}: {metric} {result[metric][-1]:.3f} "
                   f"({result['seconds']:.0f} s)", flush=True)
     write_results(finished(done, args.min_replies, args.config), done, args.config)
     if failed:
@@ -280,7 +281,8 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
             if resumed:
                 echo(f"resuming from {out}")
             rows = run_inprocess(config, out, echo=echo, resume=resumed)
-    return key, {"accuracy": [r["accuracy"] for r in rows], "epsilon": rows[-1]["epsilon"],
+    perplexity = {"perplexity": [r.get("perplexity") for r in rows]} if "perplexity" in rows[-1] else {}
+    return key, {"accuracy": [r["accuracy"] for r in rows], **perplexity, "epsilon": rows[-1]["epsilon"],
                  "threat_model": rows[-1]["threat_model"],
                  "epsilon_by_observer": rows[-1].get("epsilon_by_observer", {}), "noise_multiplier": rows[-1]["noise_multiplier"],
                  "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(),
@@ -289,11 +291,11 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
                  **({"resumed": True} if resumed else {})}
 
 
-def _upload_to_reach(result: dict, accuracy: float) -> float | None:
-    """Bytes one sampled client uploads per round, times the rounds until the global model first reaches
-    ``accuracy`` (None if it never does)."""
-    for round_, value in enumerate(result["accuracy"], start=1):
-        if value is not None and value >= accuracy:
+def _upload_to_reach(result: dict, target: float, metric: str = "accuracy") -> float | None:
+    """Bytes one sampled client uploads per round, times the rounds until the global model first reaches ``target``
+    of ``metric`` (an accuracy at least it, a perplexity at most it; None if it never does)."""
+    for round_, value in enumerate(result[metric], start=1):
+        if value is not None and (value <= target if metric == "perplexity" else value >= target):
             return statistics.mean(result["bytes_up"][:round_]) * round_
     return None
 
@@ -319,9 +321,14 @@ def _other_observers(result: dict, placement: str) -> str:
 LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next
 
 
-def _late(result: dict) -> float:
-    """A run's mean test accuracy over its last LATE evaluations."""
-    return statistics.mean([a for a in result["accuracy"] if a is not None][-LATE:])
+def _late(result: dict, metric: str = "accuracy") -> float:
+    """A run's mean test accuracy (or perplexity) over its last LATE evaluations."""
+    return statistics.mean([a for a in result[metric] if a is not None][-LATE:])
+
+
+def utility_metric(config: RunConfig) -> str:
+    """What the frontier measures utility by: a classifier's test accuracy, a language model's test perplexity."""
+    return "perplexity" if config.task.name == "causal-lm" else "accuracy"
 
 
 def _reproduce(runs: list[dict], parts: list[str], preset: str | None) -> str:
@@ -366,20 +373,22 @@ def _machines(groups: dict[tuple, list[dict]]) -> str:
 
 
 # The accuracies whose upload cost is tabled: on real data the first evaluation already passes the synthetic ones
-REACH = {None: (0.3, 0.5, 0.7), "fashion_mnist": (0.7, 0.8, 0.83)}
+REACH = {None: (0.3, 0.5, 0.7), "fashion_mnist": (0.7, 0.8, 0.83),
+         "bible": (220.0, 200.0, 190.0)}  # perplexities: zero-shot 237.7, the preset without noise 178.3
 
 
 NOISE = {"server": "at the server", POISSON: "at the server, Poisson sampling (epsilon under add/remove)",
          "secagg": "in shares under SecAgg+", "client": "at each client", "-": "none"}
 
 
-def _at_a_glance(rows: list[dict]) -> list[str]:
+def _at_a_glance(rows: list[dict], metric: str = "accuracy") -> list[str]:
     """The frontier as one table to look at: a row per strategy and noise placement, a column per epsilon, each cell
-    the final accuracy's mean over the seeds and how many (the full table below gives the spread and the threat
+    the final accuracy's (or perplexity's) mean over the seeds and how many (the full table below gives the spread and the threat
     models)."""
     frontier = [r for r in rows if r["part"] == "frontier"]
     epsilons = sorted({r["epsilon"] for r in frontier}, key=float)
-    cells = {(r["strategy"], r["placement"], r["epsilon"]): f"{round(r['accuracy'], 9):.3f} ({r['seeds']})"
+    digits = 2 if metric == "perplexity" else 3
+    cells = {(r["strategy"], r["placement"], r["epsilon"]): f"{round(r[metric], 9):.{digits}f} ({r['seeds']})"
              for r in frontier}
     order = [*PRIVATE, *REFERENCE.values()]
     lines = ["| strategy | noise | " + " | ".join("not private" if e == "inf" else f"epsilon {e}" for e in epsilons)
@@ -403,21 +412,22 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         print("privacy_utility: no finished runs yet.")
         return
     config: RunConfig = load_config(preset)
-    chance = 1 / config.classes
+    metric = utility_metric(config)
+    chance = config.task.chance(config)
     rows = []
     late_rounds: dict[int, list[int]] = {}  # T -> the rounds of its last evaluations
     for (part, strategy, placement, eps, n, rounds), results in groups.items():
-        late_rounds[rounds] = [i + 1 for i, a in enumerate(results[0]["accuracy"]) if a is not None][-LATE:]
-        mean, spread = _summary([r["accuracy"][-1] for r in results])
-        late, late_spread = _summary([_late(r) for r in results])
+        late_rounds[rounds] = [i + 1 for i, a in enumerate(results[0][metric]) if a is not None][-LATE:]
+        mean, spread = _summary([r[metric][-1] for r in results])
+        late, late_spread = _summary([_late(r, metric) for r in results])
         rows.append({"part": part, "strategy": strategy, "placement": placement,
                      "epsilon": "inf" if eps == math.inf else f"{eps:g}", "n": n, "rounds": rounds,
                      "seeds": len(results),
-                     "accuracy": mean, "spread": spread, "late_accuracy": late, "late_spread": late_spread,
+                     metric: mean, "spread": spread, f"late_{metric}": late, "late_spread": late_spread,
                      "noise_multiplier": round(results[0]["noise_multiplier"], 4),
                      "threat_model": results[0]["threat_model"] + _other_observers(results[0], placement),
                      "bytes_per_client_round": round(statistics.mean(results[0]["bytes_up"])),
-                     **{f"upload_to_{a:g}": _upload_to_reach(results[0], a) for a in reach}})
+                     **{f"upload_to_{a:g}": _upload_to_reach(results[0], a, metric) for a in reach}})
     # accuracy against T: the preset's T beside the others, for the strategies and epsilons run at another T
     varied = {(r["strategy"], r["epsilon"]) for r in rows if r["part"] == "rounds" and r["rounds"] != config.num_rounds}
     rows = [r for r in rows if r["part"] != "rounds" or (r["strategy"], r["epsilon"]) in varied]
@@ -430,7 +440,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         writer.writeheader()
         # rounded here only: the tables format the exact means (rounding twice can move the third digit)
         writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    _plot(rows, chance, name, config.num_clients,
+    _plot(rows, chance, name, config.num_clients, metric,
           f"{reproduce.replace('`', '')} · commit {revision()}")
 
     def kib(value):
@@ -445,55 +455,57 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              "how many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
              f"Commit: {revision()}  ",
              f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
-             f"Setting: {setting} ({config.dataset} data, {config.classes} classes, {config.model}, "
+             f"Setting: {setting} ({config.dataset} data, {f'{config.classes} classes' if metric == 'accuracy' else 'next-token prediction'}, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "
              f"{config.clip_norm:g}, delta {config.delta:g}, fixed-size sampling, replace-one neighbours, except "
              "the rows of noise at the server with Poisson sampling: rate N / C, add/remove neighbours, the field's "
              "convention, whose epsilon reads smaller for the same noise); "
              f"clients send {'updates (FlexLoRA: the change of each product B A) applied by server SGD' if config.message == 'update' else 'their adapters'}. Final test "
-             f"accuracy after T rounds: mean ± half the range over the seeds (chance {chance:.2f}). Upload to reach "
-             "an accuracy: bytes one sampled client sends per round times the rounds until the global model first "
-             f"reaches it (first seed). Last {LATE} evaluations: each run's mean accuracy at rounds "
+             f"{metric} after T rounds: mean ± half the range over the seeds"
+             f"{f' (chance {chance:.2f})' if chance else ''}. Upload to reach "
+             f"a{'' if metric == 'perplexity' else 'n'} {metric}: bytes one sampled client sends per round times the "
+             "rounds until the global model first "
+             f"reaches it (first seed). Last {LATE} evaluations: each run's mean {metric} at rounds "
              f"{', '.join(map(str, late_rounds.get(config.num_rounds, [])))}, the steadier reading where a private "
              "model moves from one evaluation to the next (mean ± half the range over the seeds).", "",
              "## At a glance", "",
-             "Final test accuracy, mean over the seeds (how many in brackets); noise: where it is added, each "
+             f"Final test {metric}, mean over the seeds (how many in brackets); noise: where it is added, each "
              "epsilon against observers of the model (the table below names every threat model).", "",
-             *_at_a_glance(rows), "",
-             "## Accuracy against epsilon", "",
-             f"| strategy | epsilon (threat model, noise placement) | accuracy | last {LATE} evaluations | z | "
+             *_at_a_glance(rows, metric), "",
+             f"## {metric.capitalize()} against epsilon", "",
+             f"| strategy | epsilon (threat model, noise placement) | {metric} | last {LATE} evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
              "|---|---|---:|---:|---:|---:|" + "---:|" * len(reach),
              *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}"
                f"{'; Poisson sampling, add/remove' if r['placement'] == POISSON else ''}) | "
-               f"{_pm(r['accuracy'], r['spread'])} "
-               f"(n={r['seeds']}) | {_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} | "
+               f"{_pm(r[metric], r['spread'])} "
+               f"(n={r['seeds']}) | {_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} | "
                f"{r['bytes_per_client_round'] / 1024:.1f} KiB | "
                + " | ".join(kib(r[f"upload_to_{a:g}"]) for a in reach) + " |"
                for r in rows if r["part"] == "frontier"],
-             "", "## Accuracy against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
-             f"| strategy | N | accuracy | last {LATE} evaluations | z |", "|---|---:|---:|---:|---:|",
-             *[f"| {r['strategy']} | {r['n']} | {_pm(r['accuracy'], r['spread'])} (n={r['seeds']}) | "
-               f"{_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} |"
+             "", f"## {metric.capitalize()} against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
+             f"| strategy | N | {metric} | last {LATE} evaluations | z |", "|---|---:|---:|---:|---:|",
+             *[f"| {r['strategy']} | {r['n']} | {_pm(r[metric], r['spread'])} (n={r['seeds']}) | "
+               f"{_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} |"
                for r in rows if r["part"] == "cohort"],
-             *(["", "## Accuracy against T (the same budget over fewer rounds), epsilon "
+             *(["", f"## {metric.capitalize()} against T (the same budget over fewer rounds), epsilon "
                 f"({against_t[0]['threat_model'] if against_t else ''})", "",
                 f"The budget spread over T rounds: fewer rounds, less noise each (z). Evaluated every T / "
                 f"{config.num_rounds // config.eval_every} rounds: "
                 + "; ".join(f"T = {t}: the last {LATE} at rounds {', '.join(map(str, late_rounds[t]))}"
                             for t in sorted({r['rounds'] for r in against_t})) + ".", "",
-                f"| strategy | epsilon | T | accuracy | last {LATE} evaluations | z |",
+                f"| strategy | epsilon | T | {metric} | last {LATE} evaluations | z |",
                 "|---|---:|---:|---:|---:|---:|",
-                *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {_pm(r['accuracy'], r['spread'])} "
-                  f"(n={r['seeds']}) | {_pm(r['late_accuracy'], r['late_spread'])} | {r['noise_multiplier']:g} |"
+                *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {_pm(r[metric], r['spread'])} "
+                  f"(n={r['seeds']}) | {_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} |"
                   for r in against_t]] if against_t else []),
-             "", f"![accuracy against epsilon]({name}_epsilon.png)", f"![accuracy against N]({name}_cohort.png)", ""]
+             "", f"![{metric} against epsilon]({name}_epsilon.png)", f"![{metric} against N]({name}_cohort.png)", ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _plot(rows: list[dict], chance: float, name: str, num_clients: int, source: str) -> None:
+def _plot(rows: list[dict], chance: float | None, name: str, num_clients: int, metric: str, source: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -504,23 +516,24 @@ def _plot(rows: list[dict], chance: float, name: str, num_clients: int, source: 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
     for ax, placement in zip(axes, PLACEMENTS):
         for strategy in PRIVATE:
-            points = sorted((float(r["epsilon"]), r["accuracy"], r["spread"]) for r in frontier
+            points = sorted((float(r["epsilon"]), r[metric], r["spread"]) for r in frontier
                             if r["strategy"] == strategy and r["placement"] == placement)
             if points:
                 xs, ys, es = zip(*points)
                 ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3, label=strategy)
         for reference in REFERENCE.values():
-            ref = [r["accuracy"] for r in frontier if r["strategy"] == reference]
+            ref = [r[metric] for r in frontier if r["strategy"] == reference]
             if ref:
                 ax.axhline(ref[0], ls="--", lw=1, color="grey" if reference == "ffa-lora" else "black",
                            label=f"{reference} (not private)")
-        ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+        if chance:
+            ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
         where = "noise in shares under SecAgg+" if placement == "secagg" else f"noise at the {placement}"
         ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=where)
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel("final test accuracy")
+    axes[0].set_ylabel(f"final test {metric}")
     labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     axes[-1].legend(labelled.values(), labelled.keys(), fontsize=7)  # every strategy, wherever it was drawn
     save_figure(fig, f"{name}_epsilon.png", source)
@@ -528,13 +541,14 @@ def _plot(rows: list[dict], chance: float, name: str, num_clients: int, source: 
     cohort = [r for r in rows if r["part"] == "cohort"]
     fig, ax = plt.subplots(figsize=(6, 4))
     for strategy in (*COHORT_STRATEGIES, REFERENCE["ffa"]):
-        points = sorted((r["n"], r["accuracy"], r["spread"]) for r in cohort if r["strategy"] == strategy)
+        points = sorted((r["n"], r[metric], r["spread"]) for r in cohort if r["strategy"] == strategy)
         if points:
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3,
                         label=strategy + ("" if strategy in COHORT_STRATEGIES else " (not private)"))
-    ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
-    ax.set(xscale="log", xlabel=f"clients per round N (C = {num_clients})", ylabel="final test accuracy",
+    if chance:
+        ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+    ax.set(xscale="log", xlabel=f"clients per round N (C = {num_clients})", ylabel=f"final test {metric}",
            title="epsilon 8, noise at the server")
     ax.set_xticks(COHORTS, [str(n) for n in COHORTS])
     ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())

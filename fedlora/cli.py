@@ -17,6 +17,7 @@ from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
 # bytes per value on the wire (float32)
 _BYTES = 4
 _SECAGG_BYTES = 8  # SecAgg+ sends each entry as a masked 64-bit integer (measured: benchmarks/results/secagg_cost.md)
+DEFAULT_TRIALS = 5000  # releases per hypothesis in `fedlora audit`'s mechanism level
 
 
 class CLIError(ValueError):
@@ -790,9 +791,16 @@ def audit(args: argparse.Namespace) -> dict:
     from fedlora.strategies.canary_audit import MIN_CANARIES, audit_federation, check_canary_audit
 
     preset = [] if args.config else [f"{k}={v}" for k, v in AUDIT_PRESET.items()]
+    if (args.aux_units or args.reference) and not args.text:
+        flag = "--aux-units" if args.aux_units else "--reference"
+        raise CLIError(f"{flag} is for the text audit's reference model: add --text, or drop {flag}.")
+    if args.text and args.trials is not None:
+        raise CLIError("--trials sets the mechanism level's releases, which the text audit (--text) does not run: "
+                       "drop --trials.")
     config = load_config(args.config, preset + args.set)
     if args.text:
         return _text_audit(args, config)
+    trials = args.trials or DEFAULT_TRIALS
     if config.sketch_secret == "node-file":
         raise CLIError('The audit simulates the clients: use sketch-secret = "run-seed".')
     canaries = min(300, config.num_clients * 3 // 4) if args.canaries is None else args.canaries
@@ -816,9 +824,9 @@ def audit(args: argparse.Namespace) -> dict:
                    and algorithm.family is LoRAMode.FLEX else ((m, config.rank), f"one {m}x{config.rank} LoRA B"))
     say = (lambda line: None) if args.json else print
     say(f"fedlora audit: {config.strategy}, {mechanism.describe()}")
-    say(f"mechanism level: {what} at clip norm {config.clip_norm:g}, {args.trials} releases of it and of its "
+    say(f"mechanism level: {what} at clip norm {config.clip_norm:g}, {trials} releases of it and of its "
         "neighbour ...")
-    common = {"shape": shape, "trials": args.trials, "delta": config.delta, "seed": config.seed,
+    common = {"shape": shape, "trials": trials, "delta": config.delta, "seed": config.seed,
               "clients_per_round": config.clients_per_round}
     if config.noise_placement == "secagg":  # what the server sees if it follows SecAgg+, and if it does not
         result = {"strategy": config.strategy, **audit_secure_sum(
@@ -864,8 +872,12 @@ def _text_audit(args: argparse.Namespace, config) -> dict:
     say = (lambda line: None) if args.json else print
     say(f"fedlora audit --text: {config.strategy} on {config.dataset}, {config.num_rounds} rounds, "
         f"{config.clients_per_round} of {config.num_clients} clients a round")
-    result = audit_text(config, canaries=canaries, aux_units=args.aux_units, out_dir=out_dir, echo=say)
+    if args.reference:
+        _output_dir(Path(args.reference), "--reference")
+    result = audit_text(config, canaries=canaries, aux_units=args.aux_units, out_dir=out_dir,
+                        reference_dir=args.reference and Path(args.reference), echo=say)
     m, c = result["membership"], result["canaries"]
+    say(f"  the audited model's test perplexity {result['perplexity']:.2f}")
     if "auc" in m:
         say(f"  membership (a client whose text took part; its loss under the reference less under the model): AUC "
             f"{m['auc']:.3f} [{m['auc_interval'][0]:.3f}, {m['auc_interval'][1]:.3f}], TPR {m['tpr_at_fpr_0.1']:.3f} "
@@ -985,8 +997,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "mechanism and canaries in a run")
     au.add_argument("--config", help="a TOML preset; default: the quickstart, evaluated every 10th round")
     add_overrides(au)
-    au.add_argument("--trials", type=_trials, default=5000, help="releases per hypothesis at the mechanism level "
-                                                                    "(default 5000)")
+    au.add_argument("--trials", type=_trials, help="releases per hypothesis at the mechanism level (default "
+                                                    f"{DEFAULT_TRIALS})")
     au.add_argument("--canaries", type=int, default=None, help="canary clients in the run (default: 3/4 of the "
                                                                "clients, at most 300, none if that is under 100; "
                                                                "0 skips the run)")
@@ -995,6 +1007,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "(--canaries of them, default 100 or half the clients)")
     au.add_argument("--aux-units", type=int, default=0, help="--text: the last training units (chapters, files) kept "
                                                              "from every client, the reference model's data")
+    au.add_argument("--reference", type=_path_arg, help="--text: the reference federation's directory, shared by "
+                                                         "audits of one recipe (a finished reference of the same "
+                                                         "recipe there is used, not run again; default: in --out)")
     au.add_argument("--out", type=_path_arg, help="audit directory (default: runs/audit-<strategy>-<time>)")
     au.add_argument("--json", action="store_true", help="print one JSON object")
 

@@ -19,9 +19,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from fedlora.text import TextSplits, TextTokenizer, token_blocks
+from fedlora.tasks import task_named
+from fedlora.text import TextSplits, TextTokenizer, to_device_tokens
 
 WORD = re.compile(r"Ġ[a-z]{3,}")  # a byte-level BPE token that is a whole lower-case word after a space
+CAUSAL_LM = task_named("causal-lm")
 UNIT_NAME = "{:05d}.txt"  # files sort in the units' order, which the natural partitioner deals by
 
 
@@ -113,27 +115,13 @@ def sequence_losses(model, sequences: Sequence[np.ndarray], eos_id: int, *, batc
     for start in range(0, len(sequences), batch_size):
         ids = torch.as_tensor(np.stack([np.concatenate([[eos_id], s]) for s in sequences[start:start + batch_size]]),
                               device=device)
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        out.append(token.mean(1).double().cpu().numpy())
+        batch = {"input_ids": ids, "valid": torch.ones_like(ids, dtype=torch.bool)}
+        out.append(CAUSAL_LM.example_losses(model, batch).double().cpu().numpy())
     return np.concatenate(out) if out else np.zeros(0)
 
 
-@torch.no_grad()
-def text_loss(model, units: Sequence[np.ndarray], seq_len: int, eos_id: int, *, batch_size: int = 64) -> float:
+def text_loss(model, units: Sequence[np.ndarray], seq_len: int, eos_id: int) -> float:
     """The mean next-token loss (nats per predicted token) of ``units`` packed into blocks as a client trains on them:
     a client's membership score is the reference model's loss less the audited model's."""
-    ids, valid = token_blocks(units, seq_len, eos_id)
     device = next(model.parameters()).device
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, len(ids), batch_size):
-        block, real = ids[start:start + batch_size].to(device), valid[start:start + batch_size].to(device)
-        logits = model(input_ids=block).logits[:, :-1].float()
-        token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), block[:, 1:], reduction="none")
-        predicted = (real[:, 1:] & real[:, :-1]).float()
-        total += float((token * predicted).sum())
-        count += int(predicted.sum())
-    if not count:
-        raise ValueError("The text has no token to predict.")
-    return total / count
+    return CAUSAL_LM.evaluate(model, to_device_tokens(units, seq_len, eos_id, device=device))["loss"]

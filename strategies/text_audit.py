@@ -4,6 +4,7 @@ both the product's ServerApp and ClientApp in process; then the attacks of fedlo
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -16,9 +17,13 @@ from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 from fedlora.audit import (CONFIDENCE, auc_interval, exposure, one_run_lower_bound, roc_auc, tpr_at_fpr,
                            tpr_interval)
 from fedlora.clients.app import app as client_app
+from fedlora.algorithms import LoRAMode, get_algorithm
+from fedlora.checkpoint import FINISHED, STATE_FILE, Checkpoint
 from fedlora.config import RunConfig
+from fedlora.experiment import load_run_config
 from fedlora.lora import get_adapters
 from fedlora.round_plan import GlobalState, derive_seed
+from fedlora.server_round import ServerSide
 from fedlora.run_keys import OUT_DIR_KEY, SIMULATION_KEY
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
@@ -26,6 +31,10 @@ from fedlora.text import load_tokenizer, partition_units, text_splits, tokenized
 from fedlora.text_audit import TextCanaries, sequence_losses, text_loss, write_audit_text, write_reference_text
 
 MIN_TEXT_CANARIES = 20
+# the keys of a run's noise and accounting, left at their defaults in the reference federation (which adds none)
+NOISE_KEYS = ("target-epsilon", "delta", "noise-multiplier", "sketch-dim", "threat-model", "accountant",
+              "noise-placement", "target-observer", "clip-quantile", "clip-lr", "clip-count-stddev", "sketch-secret",
+              "noise-source", "probe-budget")
 
 
 def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
@@ -54,9 +63,8 @@ def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
         raise ValueError("\n".join(problems))
 
 
-def _federate(config: RunConfig, dataset: str, out_dir: Path, echo, **overrides):
-    run_config = {**config.to_mapping(), "dataset": dataset, **overrides, OUT_DIR_KEY: str(out_dir),
-                  SIMULATION_KEY: True}
+def _federate(values: dict, out_dir: Path, echo):
+    run_config = {**values, OUT_DIR_KEY: str(out_dir), SIMULATION_KEY: True}
     grid = InProcessGrid(client_app, int(run_config["num-clients"]), run_config)
     flower = logging.getLogger(FLOWER_LOGGER)
     level, _ = flower.level, flower.setLevel(logging.WARNING)
@@ -67,19 +75,46 @@ def _federate(config: RunConfig, dataset: str, out_dir: Path, echo, **overrides)
         flower.setLevel(level)
 
 
-def _final_model(strategy):
-    """The global model the run ends with, as a client loads it."""
-    protocol = strategy.protocol
+def _model_at(protocol, state: GlobalState):
+    """The global model ``state`` holds, as a client loads it."""
     model = protocol.build_model()
-    protocol.load_global(model, GlobalState(strategy.state.broadcast, strategy.state.produced_by), get_adapters(model))
+    protocol.load_global(model, GlobalState(state.broadcast, state.produced_by), get_adapters(model))
     return model.eval()
 
 
+def _reference_model(config: RunConfig, splits, aux_units: int, reference_dir: Path, echo):
+    """The reference federation's final model: the one a finished run in ``reference_dir`` left, if it ran this very
+    recipe (an audit grid shares one reference among its cells), else a run now."""
+    strategy = "flexlora" if get_algorithm(config.strategy).family is LoRAMode.FLEX else "ffa-lora"
+    root = write_reference_text(splits, reference_dir / "text", aux_units=aux_units)
+    # the audited recipe without its noise: every audit of one recipe, private or not, can share its reference
+    recipe = RunConfig.from_mapping({**{k: v for k, v in config.to_mapping().items() if k not in NOISE_KEYS},
+                                     "strategy": strategy, "dataset": f"folder:{root}",
+                                     "num-clients": min(aux_units, config.num_clients),
+                                     "clients-per-round": min(config.clients_per_round, aux_units)})
+    run_dir = reference_dir / "run"
+    if (run_dir / STATE_FILE).is_file() and (saved := Checkpoint.load(run_dir)).status == FINISHED and \
+            load_run_config(run_dir)[0] == recipe:
+        echo(f"the reference federation: {strategy} (no noise) over the {aux_units} auxiliary units, finished in "
+             f"{run_dir}")
+        return _model_at(ServerSide(recipe, 0.0, 0.0), saved.state)
+    echo(f"the reference federation: {strategy} (no noise) over the {aux_units} auxiliary units")
+    reference = _federate(recipe.to_mapping(), run_dir, echo)
+    return _model_at(reference.protocol, reference.state)
+
+
+def _final_perplexity(run_dir: Path) -> float | None:
+    """The test perplexity the run's last evaluated round recorded (its final model's)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return next((row["perplexity"] for row in reversed(rows) if row.get("perplexity") is not None), None)
+
+
 def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Path, repeats: int = 4, length: int = 8,
-               candidates: int = 1000, echo=print) -> dict:
+               candidates: int = 1000, reference_dir: Path | None = None, echo=print) -> dict:
     """Runs the audited and the reference federations and attacks the audited model: membership by loss difference
     (members: the clients the sampler drew at least once; non-members: those it never drew; canary clients left
-    out of both), and canary exposure with the one-run lower bound."""
+    out of both), and canary exposure with the one-run lower bound. ``reference_dir`` (default out_dir/reference)
+    holds the reference federation: a finished one of the same recipe there is used, not run again."""
     check_text_audit(config, canaries, aux_units)
     started = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_of(config))
@@ -96,15 +131,9 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
                             written=written)
     echo(f"the audited federation: {config.strategy}, {canaries} canary clients ({int(drawn.included.sum())} with "
          f"their canary), {aux_units} units kept out as the auxiliary split")
-    audited = _federate(config, f"folder:{root}", out_dir / "audited", echo)
-    reference_root = write_reference_text(splits, out_dir / "reference-text", aux_units=aux_units)
-    reference_strategy = "flexlora" if audited.protocol.mode.name == "FLEX" else "ffa-lora"
-    echo(f"the reference federation: {reference_strategy} (no noise) over the {aux_units} auxiliary units")
-    reference = _federate(config, f"folder:{reference_root}", out_dir / "reference", echo,
-                          strategy=reference_strategy, **{"num-clients": min(aux_units, config.num_clients),
-                                                          "clients-per-round": min(config.clients_per_round,
-                                                                                   aux_units)})
-    model, reference_model = _final_model(audited), _final_model(reference)
+    audited = _federate({**config.to_mapping(), "dataset": f"folder:{root}"}, out_dir / "audited", echo)
+    model = _model_at(audited.protocol, audited.state)
+    reference_model = _reference_model(config, splits, aux_units, reference_dir or out_dir / "reference", echo)
 
     sampled = set()
     for release in range(1, audited.releases + 1):
@@ -134,7 +163,7 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
     return {
         "strategy": config.strategy, "threat_model": ledger.trust_model if ledger else "not private",
         "accountant_epsilon": ledger.report().epsilon if ledger else math.inf, "delta": config.delta,
-        "membership": membership,
+        "perplexity": _final_perplexity(out_dir / "audited"), "membership": membership,
         "canaries": {"count": canaries, "included": int(drawn.included.sum()), "repeats": repeats, "length": length,
                      "candidates": candidates, "exposure_included": float(bits[drawn.included].mean()),
                      "exposure_excluded": float(bits[~drawn.included].mean()),

@@ -56,6 +56,29 @@ def test_the_frontier_table_gives_the_last_evaluation_and_the_mean_of_the_last_t
     assert "| 0.700 ± 0.100 (n=2) | 0.750 ± 0.050 | 1.4 |" in table  # final 0.6 and 0.8; last three 0.7 and 0.8
 
 
+def test_the_text_frontier_measures_perplexity_lower_is_better_and_the_upload_to_reach_one(tmp_path, monkeypatch):
+    """On the text preset the frontier is test perplexity (a language model has no chance level): the upload to reach
+    a perplexity counts the rounds until it is at most that."""
+    import benchmarks.common
+    import benchmarks.privacy_utility as frontier
+
+    for module in (frontier, benchmarks.common):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    runs = plan(["frontier"], [8.0], [0], ["sgmm-ffa-lora", "ffa-lora"], ["server", "-"], None, "bible")
+    falling = {"sgmm-ffa-lora": [230.0, 205.0, 195.0], "ffa-lora": [187.2, 181.6, 178.3]}  # rounds 5, 10, 15
+    done = {run["key"]: {"accuracy": [0.16 if r % 5 == 0 else None for r in range(1, 16)],
+                         "perplexity": [falling[run["strategy"]][r // 5 - 1] if r % 5 == 0 else None
+                                        for r in range(1, 16)],
+                         "noise_multiplier": 1.4 if run["strategy"] != "ffa-lora" else 0.0,
+                         "threat_model": "known-sketch, noise at the server", "bytes_up": [1024] * 15} for run in runs}
+    frontier.write_results(runs, done, "bible")
+    table = (tmp_path / "privacy_utility_bible.md").read_text()
+    assert "## Perplexity against epsilon" in table and "chance" not in table
+    assert "| sgmm-ffa-lora | at the server | 195.00 (1) |" in table
+    # sgmm first at or under 220 at round 10, 200 at round 15, never 190; ffa-lora all three at round 5
+    assert "| 1.0 KiB | 10 KiB | 15 KiB | never |" in table and "| 1.0 KiB | 5 KiB | 5 KiB | 5 KiB |" in table
+
+
 def test_a_secure_aggregation_row_names_its_epsilon_against_the_server_as_the_run_printed_it(tmp_path, monkeypatch):
     """Under SecAgg+ the server draws the sample and a server that breaks the protocol sees one reply: the table gives
     both epsilons beside the observers' one, as the run's progress lines do; noise at the server holds nothing
@@ -416,3 +439,45 @@ def test_the_pfl_table_states_each_goal_from_the_medians_of_the_latest_commit(tm
     assert "(is 1.50x) | met |" in rows["round 1, seconds"]
     assert "| 3.25 | 2 |" in rows["peak memory (PSS), GiB"] and rows["peak memory (PSS), GiB"].endswith("| MISSED |")
     assert "Runs: 2 of each" in table and "900" not in table
+
+
+def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilon(tmp_path, monkeypatch):
+    """The federated Table 1: every cell is run once (a finished one is read back), the rows of seeds not asked
+    for are kept, and each row says whether it is private and under which threat model."""
+    from benchmarks import common
+    from benchmarks import text_membership as table
+
+    ran = []
+
+    def fake_cell(cell, work):
+        ran.append(table.cell_name(cell))
+        private = cell["epsilon"] is not None
+        return {**cell, "perplexity": 170.0 + cell["seed"], "commit": "abc",
+                "accountant_epsilon": cell["epsilon"] if private else None,
+                "threat_model": "central DP" if private else "not private",
+                "membership": {"auc": 0.5 + 0.1 * (not private), "tpr_at_fpr_0.1": 0.1, "tpr_at_fpr_0.01": 0.01},
+                "canaries": {"exposure_included": 1.5, "one_run_lower_bound": 0.0}}
+
+    for module in (common, table):
+        monkeypatch.setattr(module, "RESULTS", tmp_path)
+    monkeypatch.setattr(table, "run_cell", fake_cell)
+    monkeypatch.setattr(table, "zero_shot_perplexity", lambda config: 237.66)
+    monkeypatch.setattr(table, "local_epochs", lambda config, batch: batch / 2)
+    assert table.main(["--seeds", "0", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
+    assert ran == ["flexlora-b8", "flexlora-b16", "ffa-lora-b8", "ffa-lora-b16", "gm-ffa-lora-b16-eps8"]
+    assert table.main(["--seeds", "1", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
+    text = (tmp_path / "text_membership.md").read_text()
+    assert "| LoRA (A trained), batch 8 | 2 | 170.500 (170.000, 171.000) | 0.600" in text
+    assert "| gm-ffa-lora, epsilon 8 | 2 |" in text and "| 8.00 (central DP) |" in text
+    assert text.count("inf (not private)") == 4 and (tmp_path / "text_membership.png").is_file()
+
+
+@pytest.mark.parametrize("argv, message", [(["--private", "ffa-lora"], "not a private strategy: ffa-lora"),
+                                           (["--seeds", "x"], "comma-separated numbers")])
+def test_the_text_table_refuses_bad_input_in_one_line_before_any_run(argv, message, capsys, monkeypatch):
+    from benchmarks import text_membership as table
+
+    monkeypatch.setattr(table, "run_cell", lambda cell, work: pytest.fail("ran"))
+    assert table.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1

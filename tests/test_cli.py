@@ -49,6 +49,9 @@ def test_describe_reports_real_shapes_and_upload_sizes(capsys):
     (["describe", "--model", "vit-huge"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
     (["audit", "--trials", "10"], "argument --trials: an audit needs at least 100 trials per hypothesis, got 10"),
+    (["audit", "--aux-units", "50"], "--aux-units is for the text audit's reference model: add --text"),
+    (["audit", "--reference", "ref"], "--reference is for the text audit's reference model: add --text"),
+    (["audit", "--text", "--aux-units", "50", "--trials", "200"], "--trials sets the mechanism level's releases"),
 ])
 def test_bad_input_is_one_error_line_and_exit_2(capsys, argv, message):
     assert main(argv) == 2

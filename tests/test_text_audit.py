@@ -159,3 +159,14 @@ def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_
     assert 0 <= canaries["exposure_included"] <= canaries["exposure_max"] == pytest.approx(math.log2(101))
     assert result["accountant_epsilon"] == math.inf and result["threat_model"] == "not private"
     assert len(list((tmp_path / "audit" / "text" / "train").iterdir())) == 60  # 70 units less the 10 auxiliary
+    # a private audit of the same recipe uses the reference federation the first one finished; another recipe not
+    said = []
+    private = audit_text(_text_config(tmp_path, strategy="gm-ffa-lora"), canaries=20, aux_units=10,
+                         out_dir=tmp_path / "private", candidates=100, reference_dir=tmp_path / "audit" / "reference",
+                         echo=said.append)
+    assert math.isfinite(private["accountant_epsilon"]) and private["threat_model"] != "not private"
+    assert any(line.endswith(f"finished in {tmp_path / 'audit' / 'reference' / 'run'}") for line in said)
+    said.clear()
+    audit_text(_text_config(tmp_path, **{"local-steps": 1}), canaries=20, aux_units=10, out_dir=tmp_path / "other",
+               candidates=100, reference_dir=tmp_path / "audit" / "reference", echo=said.append)
+    assert not any("finished in" in line for line in said)

@@ -1,0 +1,254 @@
+"""The first seed's Table 1 in federated form (issue 66): what a language model federation leaks about a client's
+text, measured by `fedlora audit --text` (membership inference against a reference federation, canary exposure, the
+one-run lower bound) beside its test perplexity, for
+
+- LoRA with A trained (flexlora) and FA-LoRA with A frozen at the seed's Gaussian N(0, 1/r) (ffa-lora), without
+  noise, at two (local epochs, batch) settings with the same local steps (the seed's (E, b) = (20, 8) and (40, 16));
+- the private strategies at epsilon 1, 2, 4, 8 (noise at the server, client level), at the larger batch.
+
+The federation is the text preset's (the King James Bible, a chapter a client, the tiny public GPT-2, LoRA r = 4)
+made to remember, as the seed's runs are: FEDERATION below, many local epochs a visit and a small cohort, so that a
+client's text weighs in the mean; and sized so that about a quarter of the clients are never drawn (the
+non-members). Every cell is an audit directory under --work: a cell with its audit.json is not run again, the
+reference federations are shared by the cells of one recipe, and results of other seeds are kept.
+
+    python -m benchmarks.text_membership --seeds 0     # writes benchmarks/results/text_membership.{md,json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import RESULTS, command_line, machine, revision, save_figure
+from fedlora.config import load_config
+
+FEDERATION = {"num-clients": 400, "clients-per-round": 20, "num-rounds": 28, "local-steps": 20, "eval-every": 7}
+BATCHES = (8, 16)  # the same local steps: twice the local epochs at the larger batch
+NOT_PRIVATE = {"flexlora": "LoRA (A trained)", "ffa-lora": "FA-LoRA (A frozen)"}
+AUX_UNITS, CANARIES = 100, 50
+NAME = "text_membership"
+
+
+def cells(seeds: list[int], private: list[str], epsilons: list[float]) -> list[dict]:
+    """Every cell of the table: the strategies without noise at both batches, the private ones at the larger."""
+    out = []
+    for seed in seeds:
+        out += [{"seed": seed, "strategy": s, "batch": b, "epsilon": None} for s in NOT_PRIVATE for b in BATCHES]
+        out += [{"seed": seed, "strategy": s, "batch": BATCHES[-1], "epsilon": e} for s in private for e in epsilons]
+    return out
+
+
+def cell_name(cell: dict) -> str:
+    return f"{cell['strategy']}-b{cell['batch']}" + (f"-eps{cell['epsilon']:g}" if cell["epsilon"] else "")
+
+
+def cell_config(cell: dict):
+    sets = [f"{k}={v}" for k, v in FEDERATION.items()] + [f"strategy={cell['strategy']}", f"seed={cell['seed']}",
+                                                          f"batch-size={cell['batch']}"]
+    return load_config("bible", sets + ([f"target-epsilon={cell['epsilon']}"] if cell["epsilon"] else []))
+
+
+def local_epochs(config, batch: int) -> float:
+    """Local epochs a visit: local steps times the batch, over a client's blocks (the mean over clients)."""
+    from fedlora.text import load_tokenizer, partition_units, token_blocks, tokenized_units, tokenizer_of
+
+    units = tokenized_units(config.dataset, "train", tokenizer_of(config))
+    eos = load_tokenizer(tokenizer_of(config)).eos_id
+    blocks = [len(token_blocks([units[i] for i in partition_units(
+        config.partitioner, units=len(units) - AUX_UNITS, num_partitions=config.num_clients, partition_id=c,
+        seed=config.seed)], config.seq_len, eos)[0]) for c in range(config.num_clients)]
+    return config.local_steps * batch / float(np.mean(blocks))
+
+
+def zero_shot_perplexity(config) -> float:
+    import torch
+
+    from fedlora.federation import Protocol
+
+    model = Protocol(config, 0.0).build_model(device=torch.device("cpu"))  # B = 0: the public model itself
+    return config.task.evaluate(model, config.task.test_data(config, "cpu"))["perplexity"]
+
+
+def run_cell(cell: dict, work: Path) -> dict:
+    from fedlora.strategies.text_audit import audit_text
+
+    config = cell_config(cell)
+    out_dir = work / f"seed{cell['seed']}" / cell_name(cell)
+    if (out_dir / "audit.json").is_file():
+        return json.loads((out_dir / "audit.json").read_text())
+    family = "flexlora" if "flexlora" in cell["strategy"] else "ffa-lora"
+    reference = work / f"seed{cell['seed']}" / f"reference-{family}-b{cell['batch']}"
+    print(f"== {cell_name(cell)}, seed {cell['seed']}", flush=True)
+    result = audit_text(config, canaries=CANARIES, aux_units=AUX_UNITS, out_dir=out_dir, reference_dir=reference,
+                        echo=lambda line: print(f"   {line}", flush=True))
+    result = {**cell, **result, "commit": revision(),
+              "accountant_epsilon": result["accountant_epsilon"] if math.isfinite(result["accountant_epsilon"])
+              else None}
+    (out_dir / "audit.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds (default 0)")
+    parser.add_argument("--private", default="gm-ffa-lora,sgmm-ffa-lora", help="private strategies")
+    parser.add_argument("--epsilons", default="1,2,4,8", help="their target epsilons")
+    parser.add_argument("--work", default="runs/text_membership", help="the cells' audit directories (resumable)")
+    args = parser.parse_args(argv)
+    from fedlora.algorithms import ALGORITHMS
+    from fedlora.text import bible_unavailable_reason
+
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        epsilons = [float(e) for e in args.epsilons.split(",")]
+    except ValueError:
+        print(f"{NAME}: error: --seeds and --epsilons take comma-separated numbers.", file=sys.stderr)
+        return 2
+    private = args.private.split(",")
+    known = {name for name, a in ALGORITHMS.items() if a.mechanism != "none"}
+    if unknown := [s for s in private if s not in known]:
+        print(f"{NAME}: error: not a private strategy: {', '.join(unknown)} (one of {', '.join(sorted(known))}).",
+              file=sys.stderr)
+        return 2
+    if (reason := bible_unavailable_reason()) is not None:
+        print(f"{NAME}: error: {reason}", file=sys.stderr)
+        return 2
+    todo = cells(seeds, private, epsilons)
+    try:
+        for cell in todo:
+            cell_config(cell)  # every config checked before the first run
+    except ValueError as error:
+        print(f"{NAME}: error: {error}", file=sys.stderr)
+        return 2
+    saved = json.loads((RESULTS / f"{NAME}.json").read_text()) if (RESULTS / f"{NAME}.json").is_file() else {}
+    rows = {_key(r): r for r in saved.get("cells", [])}
+    base = cell_config(todo[0])
+    meta = {"federation": FEDERATION, "aux_units": AUX_UNITS, "canaries": CANARIES,
+            "local_epochs": {str(b): local_epochs(base, b) for b in BATCHES},
+            "zero_shot_perplexity": saved.get("zero_shot_perplexity") or zero_shot_perplexity(base)}
+    started = time.time()
+    for i, cell in enumerate(todo, 1):
+        rows[_key(cell)] = run_cell(cell, Path(args.work))
+        print(f"[{i}/{len(todo)}] {cell_name(cell)} seed {cell['seed']}: {_summary(rows[_key(cell)])} "
+              f"({(time.time() - started) / 60:.0f} min so far)", flush=True)
+        _write({**meta, "cells": sorted(rows.values(), key=_order)}, command_line(f"benchmarks.{NAME}"))
+    return 0
+
+
+def _key(cell: dict) -> tuple:
+    return cell["seed"], cell["strategy"], cell["batch"], cell["epsilon"]
+
+
+def _order(r: dict) -> tuple:
+    return r["epsilon"] is not None, r["strategy"] not in NOT_PRIVATE or list(NOT_PRIVATE).index(r["strategy"]), \
+        r["strategy"], r["epsilon"] or 0, r["batch"], r["seed"]
+
+
+def _summary(r: dict) -> str:
+    m, c = r["membership"], r["canaries"]
+    return (f"perplexity {r['perplexity']:.2f}, AUC {m['auc']:.3f}, TPR@1% {m['tpr_at_fpr_0.01']:.3f}, exposure "
+            f"{c['exposure_included']:.2f} bits")
+
+
+def _label(r: dict) -> str:
+    name = NOT_PRIVATE.get(r["strategy"], r["strategy"])
+    return f"{name}, batch {r['batch']}" if r["epsilon"] is None else f"{name}, epsilon {r['epsilon']:g}"
+
+
+def _groups(rows: list[dict]) -> list[list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        out.setdefault(_key(r)[1:], []).append(r)
+    return list(out.values())
+
+
+def _mean(group: list[dict], get) -> str:
+    values = [get(r) for r in group]
+    text = f"{np.mean(values):.3f}" if len(values) > 1 else f"{values[0]:.3f}"
+    return text + (f" ({', '.join(f'{v:.3f}' for v in values)})" if len(values) > 1 else "")
+
+
+def _write(result: dict, command: str) -> None:
+    (RESULTS / f"{NAME}.json").write_text(json.dumps({**result, "command": command, "machine": machine()},
+                                                     indent=2) + "\n")
+    rows = result["cells"]
+    epochs = result["local_epochs"]
+    fed = result["federation"]
+    lines = [
+        "# The first seed's Table 1, federated: membership, canaries and perplexity on text", "",
+        f"The text preset's federation made to remember: {fed['num-clients']} clients (a chapter each), "
+        f"{fed['clients-per-round']} a round for {fed['num-rounds']} rounds, {fed['local-steps']} local Adam steps "
+        f"a visit (batch 8: {epochs['8']:.1f} local epochs; batch 16: {epochs['16']:.1f}), noise at the server. "
+        f"{result['aux_units']} chapters kept from every client train the reference federation; {result['canaries']} "
+        "canary clients (each canary written 4 times with probability 1/2) are in neither membership group. "
+        f"Members: clients drawn at least once; non-members: never drawn. Zero-shot test perplexity "
+        f"{result['zero_shot_perplexity']:.2f}. Means over seeds, each seed's value in brackets; the 95% intervals "
+        "of one seed are in the JSON.", "",
+        "| run | seeds | test perplexity | MIA AUC | TPR @ FPR 10% | TPR @ FPR 1% | exposure, bits (chance ~1.44) "
+        "| one-run lower bound | accountant epsilon |",
+        "|---|---|---|---|---|---|---|---|---|"]
+    for group in _groups(rows):
+        r = group[0]
+        eps = "inf (not private)" if r["accountant_epsilon"] is None else \
+            f"{r['accountant_epsilon']:.2f} ({r['threat_model']})"
+        lines.append(
+            f"| {_label(r)} | {len(group)} | {_mean(group, lambda x: x['perplexity'])} "
+            f"| {_mean(group, lambda x: x['membership']['auc'])} "
+            f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.1'])} "
+            f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.01'])} "
+            f"| {_mean(group, lambda x: x['canaries']['exposure_included'])} "
+            f"| {_mean(group, lambda x: x['canaries']['one_run_lower_bound'])} "
+            f"| {eps} |")
+    lines += ["", f"Command: `{command}`  ", f"Commits: {', '.join(sorted({r['commit'] for r in rows}))}  ",
+              f"Machine: {machine()}  ", "", f"![the table as figures]({NAME}.png)", ""]
+    (RESULTS / f"{NAME}.md").write_text("\n".join(lines))
+    _plot(rows, command)
+
+
+def _plot(rows: list[dict], command: str) -> None:
+    """Perplexity, MIA AUC and exposure against epsilon per private strategy; the runs without noise at the right
+    ("none"), a marker per strategy and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("test perplexity (lower: better)", lambda r: r["perplexity"]),
+              ("membership AUC (0.5: no signal)", lambda r: r["membership"]["auc"]),
+              ("canary exposure, bits (~1.44: chance)", lambda r: r["canaries"]["exposure_included"])]
+    epsilons = sorted({r["epsilon"] for r in rows if r["epsilon"] is not None})
+    none_x = (max(epsilons) * 2) if epsilons else 1.0
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (title, get) in zip(axes, panels):
+        for group in _groups(rows):
+            r = group[0]
+            values = [get(x) for x in group]
+            if r["epsilon"] is None:
+                ax.errorbar([none_x * (0.9 if r["batch"] == 8 else 1.1)], [np.mean(values)],
+                            yerr=[[np.mean(values) - min(values)], [max(values) - np.mean(values)]],
+                            fmt="s" if r["strategy"] == "flexlora" else "D", label=_label(r), capsize=3)
+        for strategy in dict.fromkeys(r["strategy"] for r in rows if r["epsilon"] is not None):
+            points = [g for g in _groups(rows) if g[0]["strategy"] == strategy]
+            xs = [g[0]["epsilon"] for g in points]
+            ax.plot(xs, [np.mean([get(x) for x in g]) for g in points], "o-", label=strategy)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(epsilons + [none_x], [f"{e:g}" for e in epsilons] + ["none"])
+        ax.set_xlabel("target epsilon (client level)")
+        ax.set_title(title, fontsize=10)
+        if "AUC" in title:
+            ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+        if "exposure" in title:
+            ax.axhline(1.44, color="grey", lw=0.8, ls=":")
+    axes[0].legend(fontsize=7)
+    save_figure(fig, f"{NAME}.png", f"{command} at {revision()}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
