@@ -18,13 +18,13 @@ from fedlora.audit import (CONFIDENCE, auc_interval, exposure, one_run_lower_bou
                            tpr_interval)
 from fedlora.clients.app import app as client_app
 from fedlora.algorithms import LoRAMode, get_algorithm
-from fedlora.checkpoint import FINISHED, STATE_FILE, Checkpoint
+from fedlora.checkpoint import ENDED, FINISHED, STATE_FILE, Checkpoint
 from fedlora.config import RunConfig
 from fedlora.experiment import load_run_config
 from fedlora.lora import get_adapters
 from fedlora.round_plan import GlobalState, derive_seed
 from fedlora.server_round import ServerSide
-from fedlora.run_keys import OUT_DIR_KEY, SIMULATION_KEY
+from fedlora.run_keys import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 from fedlora.text import load_tokenizer, partition_units, text_splits, tokenized_units, tokenizer_of
@@ -64,7 +64,12 @@ def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
 
 
 def _federate(values: dict, out_dir: Path, echo):
-    run_config = {**values, OUT_DIR_KEY: str(out_dir), SIMULATION_KEY: True}
+    """One federation in process; it continues the run ``out_dir`` holds if that is this one, stopped midway (an
+    audit grid stopped mid-cell loses only the rounds since the last checkpoint)."""
+    saved = Checkpoint.load(out_dir) if (out_dir / STATE_FILE).is_file() else None
+    resume = saved is not None and saved.status not in ENDED and \
+        load_run_config(out_dir)[0] == RunConfig.from_mapping(values)
+    run_config = {**values, OUT_DIR_KEY: str(out_dir), SIMULATION_KEY: True, RESUME_KEY: resume}
     grid = InProcessGrid(client_app, int(run_config["num-clients"]), run_config)
     flower = logging.getLogger(FLOWER_LOGGER)
     level, _ = flower.level, flower.setLevel(logging.WARNING)
@@ -82,23 +87,39 @@ def _model_at(protocol, state: GlobalState):
     return model.eval()
 
 
-def _reference_model(config: RunConfig, splits, aux_units: int, reference_dir: Path, echo):
-    """The reference federation's final model: the one a finished run in ``reference_dir`` left, if it ran this very
-    recipe (an audit grid shares one reference among its cells), else a run now."""
-    strategy = "flexlora" if get_algorithm(config.strategy).family is LoRAMode.FLEX else "ffa-lora"
-    root = write_reference_text(splits, reference_dir / "text", aux_units=aux_units)
-    # the audited recipe without its noise: every audit of one recipe, private or not, can share its reference
-    recipe = RunConfig.from_mapping({**{k: v for k, v in config.to_mapping().items() if k not in NOISE_KEYS},
-                                     "strategy": strategy, "dataset": f"folder:{root}",
-                                     "num-clients": min(aux_units, config.num_clients),
-                                     "clients-per-round": min(config.clients_per_round, aux_units)})
+def reference_recipe(config: RunConfig, aux_units: int, reference_dir: Path) -> RunConfig:
+    """The reference federation's config: the audited recipe without its noise (ffa-lora or flexlora, as the audited
+    strategy's family), over the auxiliary units written to reference_dir/text; every audit of one recipe, private
+    or not, can share it."""
+    return RunConfig.from_mapping({**{k: v for k, v in config.to_mapping().items() if k not in NOISE_KEYS},
+                                   "strategy": "flexlora" if get_algorithm(config.strategy).family is LoRAMode.FLEX
+                                   else "ffa-lora", "dataset": f"folder:{reference_dir.resolve() / 'text'}",
+                                   "num-clients": min(aux_units, config.num_clients),
+                                   "clients-per-round": min(config.clients_per_round, aux_units)})
+
+
+def check_reference(config: RunConfig, aux_units: int, reference_dir: Path) -> None:
+    """A reference directory holds this recipe's reference federation, or none (another one is not overwritten)."""
     run_dir = reference_dir / "run"
-    if (run_dir / STATE_FILE).is_file() and (saved := Checkpoint.load(run_dir)).status == FINISHED and \
-            load_run_config(run_dir)[0] == recipe:
-        echo(f"the reference federation: {strategy} (no noise) over the {aux_units} auxiliary units, finished in "
-             f"{run_dir}")
+    if (run_dir / "config.json").is_file():
+        held, recipe = load_run_config(run_dir)[0].to_mapping(), reference_recipe(config, aux_units,
+                                                                                  reference_dir).to_mapping()
+        differ = [f"{k} = {held.get(k)!r}, this audit's {recipe.get(k)!r}" for k in recipe if held.get(k) != recipe[k]]
+        if differ:
+            raise ValueError(f"{reference_dir} holds the reference federation of another recipe ({differ[0]}): "
+                             "choose another reference directory.")
+
+
+def _reference_model(config: RunConfig, splits, aux_units: int, reference_dir: Path, echo):
+    """The reference federation's final model: the one a finished run in ``reference_dir`` left, else a run now (or
+    the rest of one stopped there)."""
+    recipe = reference_recipe(config, aux_units, reference_dir)
+    write_reference_text(splits, reference_dir / "text", aux_units=aux_units)
+    run_dir, what = reference_dir / "run", f"{recipe.strategy} (no noise) over the {aux_units} auxiliary units"
+    if (run_dir / STATE_FILE).is_file() and (saved := Checkpoint.load(run_dir)).status == FINISHED:
+        echo(f"the reference federation: {what}, finished in {run_dir}")
         return _model_at(ServerSide(recipe, 0.0, 0.0), saved.state)
-    echo(f"the reference federation: {strategy} (no noise) over the {aux_units} auxiliary units")
+    echo(f"the reference federation: {what}")
     reference = _federate(recipe.to_mapping(), run_dir, echo)
     return _model_at(reference.protocol, reference.state)
 
@@ -116,6 +137,8 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
     out of both), and canary exposure with the one-run lower bound. ``reference_dir`` (default out_dir/reference)
     holds the reference federation: a finished one of the same recipe there is used, not run again."""
     check_text_audit(config, canaries, aux_units)
+    reference_dir = reference_dir or out_dir / "reference"
+    check_reference(config, aux_units, reference_dir)
     started = time.perf_counter()
     tokenizer = load_tokenizer(tokenizer_of(config))
     splits = text_splits(config.dataset, text_column=config.text_column, client_column=config.client_column)
@@ -133,7 +156,7 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
          f"their canary), {aux_units} units kept out as the auxiliary split")
     audited = _federate({**config.to_mapping(), "dataset": f"folder:{root}"}, out_dir / "audited", echo)
     model = _model_at(audited.protocol, audited.state)
-    reference_model = _reference_model(config, splits, aux_units, reference_dir or out_dir / "reference", echo)
+    reference_model = _reference_model(config, splits, aux_units, reference_dir, echo)
 
     sampled = set()
     for release in range(1, audited.releases + 1):

@@ -464,7 +464,7 @@ def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilo
     monkeypatch.setattr(table, "zero_shot_perplexity", lambda config: 237.66)
     monkeypatch.setattr(table, "local_epochs", lambda config, batch: batch / 2)
     assert table.main(["--seeds", "0", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
-    assert ran == ["flexlora-b8", "flexlora-b16", "ffa-lora-b8", "ffa-lora-b16", "gm-ffa-lora-b16-eps8"]
+    assert ran == ["flexlora-b16", "ffa-lora-b16", "flexlora-b8", "ffa-lora-b8", "gm-ffa-lora-b16-eps8"]
     assert table.main(["--seeds", "1", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
     text = (tmp_path / "text_membership.md").read_text()
     assert "| LoRA (A trained), batch 8 | 2 | 170.500 (170.000, 171.000) | 0.600" in text

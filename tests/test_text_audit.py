@@ -159,14 +159,33 @@ def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_
     assert 0 <= canaries["exposure_included"] <= canaries["exposure_max"] == pytest.approx(math.log2(101))
     assert result["accountant_epsilon"] == math.inf and result["threat_model"] == "not private"
     assert len(list((tmp_path / "audit" / "text" / "train").iterdir())) == 60  # 70 units less the 10 auxiliary
-    # a private audit of the same recipe uses the reference federation the first one finished; another recipe not
+    # a private audit of the same recipe uses the reference federation the first one finished; another recipe's
+    # audit is refused before it runs, the reference left as it was
     said = []
     private = audit_text(_text_config(tmp_path, strategy="gm-ffa-lora"), canaries=20, aux_units=10,
                          out_dir=tmp_path / "private", candidates=100, reference_dir=tmp_path / "audit" / "reference",
                          echo=said.append)
     assert math.isfinite(private["accountant_epsilon"]) and private["threat_model"] != "not private"
     assert any(line.endswith(f"finished in {tmp_path / 'audit' / 'reference' / 'run'}") for line in said)
-    said.clear()
-    audit_text(_text_config(tmp_path, **{"local-steps": 1}), canaries=20, aux_units=10, out_dir=tmp_path / "other",
-               candidates=100, reference_dir=tmp_path / "audit" / "reference", echo=said.append)
-    assert not any("finished in" in line for line in said)
+    with pytest.raises(ValueError, match=r"another recipe \(local-steps = 2, this audit's 1\)"):
+        audit_text(_text_config(tmp_path, **{"local-steps": 1}), canaries=20, aux_units=10,
+                   out_dir=tmp_path / "other", candidates=100, reference_dir=tmp_path / "audit" / "reference")
+    assert not (tmp_path / "other").exists()
+
+
+def test_a_federation_of_the_audit_stopped_midway_continues_from_its_checkpoint(tmp_path):
+    from fedlora.strategies.text_audit import _federate
+
+    class Stop(Exception):
+        pass
+
+    def stop_after_round_1(line):
+        if line.startswith("round   1/2"):
+            raise Stop
+
+    values = {**_text_config(tmp_path).to_mapping(), "num-rounds": 2}
+    with pytest.raises(Stop):
+        _federate(values, tmp_path / "run", stop_after_round_1)
+    said = []
+    strategy = _federate(values, tmp_path / "run", said.append)
+    assert strategy.rounds_done == 2 and [line[:11] for line in said if line.startswith("round")] == ["round   2/2"]
