@@ -1,16 +1,21 @@
 """The first seed's Table 1 in federated form (issue 66): what a language model federation leaks about a client's
 text, measured by `fedlora audit --text` (membership inference against a reference federation, canary exposure, the
-one-run lower bound) beside its test perplexity, for
+one-run lower bound) beside its test perplexity, in two federations of the text preset (the King James Bible, a
+chapter a client, the tiny public GPT-2, LoRA r = 4):
 
-- LoRA with A trained (flexlora) and FA-LoRA with A frozen at the seed's Gaussian N(0, 1/r) (ffa-lora), without
-  noise, at two (local epochs, batch) settings with the same local steps (the seed's (E, b) = (20, 8) and (40, 16));
-- the private strategies at epsilon 1, 2, 4, 8 (noise at the server, client level), at the larger batch.
+- **made to remember**, as the seed's runs are (many local epochs, few clients averaged): LoRA with A trained
+  (flexlora) and FA-LoRA with A frozen at the seed's Gaussian N(0, 1/r) (ffa-lora), without noise, at two (local
+  epochs, batch) settings with the same local steps (the seed's (E, b) = (20, 8) and (40, 16));
+- **the preset's own** (100 clients a round, 5 local steps), where a private run learns: the same two without
+  noise beside the private strategies at epsilon 1, 2, 4, 8 (noise at the server, client level). In the first
+  federation noise at any of these epsilons leaves no model (the server's noise accumulates to 0.7-1.7 an adapter
+  entry over its 112 rounds of 5, where 0.075 already takes the zero-shot perplexity from 238 to 1,544:
+  docs/tutorials/language-models.md), so its private cells would measure nothing.
 
-The federation is the text preset's (the King James Bible, a chapter a client, the tiny public GPT-2, LoRA r = 4)
-made to remember, as the seed's runs are: FEDERATION below, many local epochs a visit and a small cohort, so that a
-client's text weighs in the mean; and sized so that about a quarter of the clients are never drawn (the
-non-members). Every cell is an audit directory under --work: a cell with its audit.json is not run again, the
-reference federations are shared by the cells of one recipe, and results of other seeds are kept.
+Each federation is sized so that about a quarter of its clients are never drawn (the non-members). Every cell is an
+audit directory under --work: a cell with its audit.json is not run again, a cell stopped midway continues from its
+federations' checkpoints, the reference federations are shared by the cells of one recipe, and the rows of seeds
+not asked for are kept.
 
     python -m benchmarks.text_membership --seeds 0     # writes benchmarks/results/text_membership.{md,json,png}
 """
@@ -29,32 +34,47 @@ import numpy as np
 from benchmarks.common import RESULTS, command_line, machine, revision, save_figure
 from fedlora.config import load_config
 
-# a quarter of the clients never drawn: (1 - 5 / 400) ** 112 = 0.245; 20 local steps, 3.8 or 7.6 local epochs a visit
-FEDERATION = {"num-clients": 400, "clients-per-round": 5, "num-rounds": 112, "local-steps": 20, "eval-every": 28}
-BATCHES = (8, 16)  # the same local steps: twice the local epochs at the larger batch
+FEDERATIONS = {
+    # (1 - 5 / 400) ** 112 = 0.245 never drawn; 20 local steps: 3.8 or 7.6 local epochs a visit
+    "remember": {"sets": {"num-clients": 400, "clients-per-round": 5, "num-rounds": 112, "local-steps": 20,
+                          "eval-every": 28}, "batches": (8, 16), "canaries": 50,
+                 "title": "A federation made to remember"},
+    # the preset less the auxiliary chapters: (1 - 100 / 971) ** 15 = 0.196 never drawn
+    "preset": {"sets": {"num-clients": 971}, "batches": (16,), "canaries": 100,
+               "title": "The text preset's federation"},
+}
 NOT_PRIVATE = {"flexlora": "LoRA (A trained)", "ffa-lora": "FA-LoRA (A frozen)"}
-AUX_UNITS, CANARIES = 100, 50
+AUX_UNITS = 100
 NAME = "text_membership"
 
 
 def cells(seeds: list[int], private: list[str], epsilons: list[float]) -> list[dict]:
-    """Every cell of the table, in the order they run: without noise at the larger batch (the private cells' recipe),
-    at the smaller, then the private ones from the largest epsilon down; a seed's cells before the next seed's."""
+    """Every cell of the table, in the order they run: a seed's before the next seed's; in it the remembering
+    federation without noise (the larger batch first), then the preset's without noise and with it, from the
+    largest epsilon down."""
     out = []
     for seed in seeds:
-        out += [{"seed": seed, "strategy": s, "batch": b, "epsilon": None} for b in BATCHES[::-1] for s in NOT_PRIVATE]
-        out += [{"seed": seed, "strategy": s, "batch": BATCHES[-1], "epsilon": e}
+        out += [{"seed": seed, "federation": "remember", "strategy": s, "batch": b, "epsilon": None}
+                for b in FEDERATIONS["remember"]["batches"][::-1] for s in NOT_PRIVATE]
+        out += [{"seed": seed, "federation": "preset", "strategy": s, "batch": 16, "epsilon": None}
+                for s in reversed(NOT_PRIVATE)]
+        out += [{"seed": seed, "federation": "preset", "strategy": s, "batch": 16, "epsilon": e}
                 for e in sorted(epsilons, reverse=True) for s in private]
     return out
 
 
-def cell_name(cell: dict) -> str:
-    return f"{cell['strategy']}-b{cell['batch']}" + (f"-eps{cell['epsilon']:g}" if cell["epsilon"] else "")
+def cell_name(cell: dict, strategy: str | None = None) -> str:
+    """The cell's directory, or with ``strategy`` "reference-<family>" that of its reference federation (the
+    remembering federation's without a prefix: its cells were the first measured)."""
+    prefix = "" if cell["federation"] == "remember" else f"{cell['federation']}-"
+    if strategy:
+        return f"{prefix}{strategy}-b{cell['batch']}"
+    return f"{prefix}{cell['strategy']}-b{cell['batch']}" + (f"-eps{cell['epsilon']:g}" if cell["epsilon"] else "")
 
 
 def cell_config(cell: dict):
-    sets = [f"{k}={v}" for k, v in FEDERATION.items()] + [f"strategy={cell['strategy']}", f"seed={cell['seed']}",
-                                                          f"batch-size={cell['batch']}"]
+    sets = [f"{k}={v}" for k, v in FEDERATIONS[cell["federation"]]["sets"].items()]
+    sets += [f"strategy={cell['strategy']}", f"seed={cell['seed']}", f"batch-size={cell['batch']}"]
     return load_config("bible", sets + ([f"target-epsilon={cell['epsilon']}"] if cell["epsilon"] else []))
 
 
@@ -87,10 +107,10 @@ def run_cell(cell: dict, work: Path) -> dict:
     if (out_dir / "audit.json").is_file():
         return json.loads((out_dir / "audit.json").read_text())
     family = "flexlora" if "flexlora" in cell["strategy"] else "ffa-lora"
-    reference = work / f"seed{cell['seed']}" / f"reference-{family}-b{cell['batch']}"
+    reference = work / f"seed{cell['seed']}" / cell_name(cell, f"reference-{family}")
     print(f"== {cell_name(cell)}, seed {cell['seed']}", flush=True)
-    result = audit_text(config, canaries=CANARIES, aux_units=AUX_UNITS, out_dir=out_dir, reference_dir=reference,
-                        echo=lambda line: print(f"   {line}", flush=True))
+    result = audit_text(config, canaries=FEDERATIONS[cell["federation"]]["canaries"], aux_units=AUX_UNITS,
+                        out_dir=out_dir, reference_dir=reference, echo=lambda line: print(f"   {line}", flush=True))
     result = {**cell, **result, "commit": revision(),
               "accountant_epsilon": result["accountant_epsilon"] if math.isfinite(result["accountant_epsilon"])
               else None}
@@ -132,10 +152,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     saved = json.loads((RESULTS / f"{NAME}.json").read_text()) if (RESULTS / f"{NAME}.json").is_file() else {}
     rows = {_key(r): r for r in saved.get("cells", [])}
-    base = cell_config(todo[0])
-    meta = {"federation": FEDERATION, "aux_units": AUX_UNITS, "canaries": CANARIES,
-            "local_epochs": {str(b): local_epochs(base, b) for b in BATCHES},
-            "zero_shot_perplexity": saved.get("zero_shot_perplexity") or zero_shot_perplexity(base)}
+    federations = saved.get("federations") or {
+        name: {**{k: v for k, v in f.items() if k != "batches"}, "local_epochs": {
+            str(b): local_epochs(cell_config({"seed": 0, "federation": name, "strategy": "ffa-lora", "batch": b,
+                                              "epsilon": None}), b) for b in f["batches"]}}
+        for name, f in FEDERATIONS.items()}
+    meta = {"federations": federations, "aux_units": AUX_UNITS, "zero_shot_perplexity": saved.get(
+        "zero_shot_perplexity") or zero_shot_perplexity(cell_config(todo[0]))}
     started = time.time()
     for i, cell in enumerate(todo, 1):
         rows[_key(cell)] = run_cell(cell, Path(args.work))
@@ -146,12 +169,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _key(cell: dict) -> tuple:
-    return cell["seed"], cell["strategy"], cell["batch"], cell["epsilon"]
+    return cell["seed"], cell["federation"], cell["strategy"], cell["batch"], cell["epsilon"]
 
 
 def _order(r: dict) -> tuple:
-    return r["epsilon"] is not None, r["strategy"] not in NOT_PRIVATE or list(NOT_PRIVATE).index(r["strategy"]), \
-        r["strategy"], r["epsilon"] or 0, r["batch"], r["seed"]
+    return (list(FEDERATIONS).index(r["federation"]), r["epsilon"] is not None,
+            r["strategy"] not in NOT_PRIVATE or list(NOT_PRIVATE).index(r["strategy"]), r["strategy"],
+            r["epsilon"] or 0, r["batch"], r["seed"])
 
 
 def _summary(r: dict) -> str:
@@ -162,12 +186,15 @@ def _summary(r: dict) -> str:
 
 def _label(r: dict) -> str:
     name = NOT_PRIVATE.get(r["strategy"], r["strategy"])
-    return f"{name}, batch {r['batch']}" if r["epsilon"] is None else f"{name}, epsilon {r['epsilon']:g}"
+    if r["epsilon"] is not None:
+        return f"{name}, epsilon {r['epsilon']:g}"
+    return f"{name}, batch {r['batch']}" if r["federation"] == "remember" else f"{name}, no noise"
 
 
 def _groups(rows: list[dict]) -> list[list[dict]]:
+    """The rows of one cell over the seeds, in the table's order."""
     out: dict[tuple, list[dict]] = {}
-    for r in rows:
+    for r in sorted(rows, key=_order):
         out.setdefault(_key(r)[1:], []).append(r)
     return list(out.values())
 
@@ -178,37 +205,50 @@ def _mean(group: list[dict], get) -> str:
     return text + (f" ({', '.join(f'{v:.3f}' for v in values)})" if len(values) > 1 else "")
 
 
+def _setting(name: str, f: dict, aux_units: int) -> str:
+    sets, epochs = f["sets"], f["local_epochs"]
+    preset = load_config("bible", [f"{k}={v}" for k, v in sets.items()])
+    return (f"{preset.num_clients} clients (the preset's chapters less the {aux_units} auxiliary ones), "
+            f"{preset.clients_per_round} a round for {preset.num_rounds} rounds, {preset.local_steps} local Adam steps "
+            "a visit (" + "; ".join(f"batch {b}: {e:.1f} local epochs" for b, e in epochs.items()) + f"), "
+            f"{f['canaries']} canary clients, clip {preset.clip_norm:g}.")
+
+
 def _write(result: dict, command: str) -> None:
     (RESULTS / f"{NAME}.json").write_text(json.dumps({**result, "command": command, "machine": machine()},
                                                      indent=2) + "\n")
     rows = result["cells"]
-    epochs = result["local_epochs"]
-    fed = result["federation"]
     lines = [
         "# The first seed's Table 1, federated: membership, canaries and perplexity on text", "",
-        f"The text preset's federation made to remember: {fed['num-clients']} clients (a chapter each), "
-        f"{fed['clients-per-round']} a round for {fed['num-rounds']} rounds, {fed['local-steps']} local Adam steps "
-        f"a visit (batch 8: {epochs['8']:.1f} local epochs; batch 16: {epochs['16']:.1f}), noise at the server. "
-        f"{result['aux_units']} chapters kept from every client train the reference federation; {result['canaries']} "
-        "canary clients (each canary written 4 times with probability 1/2) are in neither membership group. "
-        f"Members: clients drawn at least once; non-members: never drawn. Zero-shot test perplexity "
-        f"{result['zero_shot_perplexity']:.2f}. Means over seeds, each seed's value in brackets; the 95% intervals "
-        "of one seed are in the JSON.", "",
-        "| run | seeds | test perplexity | MIA AUC | TPR @ FPR 10% | TPR @ FPR 1% | exposure, bits (chance ~1.44) "
-        "| one-run lower bound | accountant epsilon |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    for group in _groups(rows):
-        r = group[0]
-        eps = "inf (not private)" if r["accountant_epsilon"] is None else \
-            f"{r['accountant_epsilon']:.2f} ({r['threat_model']})"
-        lines.append(
-            f"| {_label(r)} | {len(group)} | {_mean(group, lambda x: x['perplexity'])} "
-            f"| {_mean(group, lambda x: x['membership']['auc'])} "
-            f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.1'])} "
-            f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.01'])} "
-            f"| {_mean(group, lambda x: x['canaries']['exposure_included'])} "
-            f"| {_mean(group, lambda x: x['canaries']['one_run_lower_bound'])} "
-            f"| {eps} |")
+        f"The text preset (the King James Bible, a chapter a client, the tiny public GPT-2, LoRA r = 4 on every "
+        f"block's query/key/value) in two federations. In each, {result['aux_units']} chapters kept from every "
+        "client train the reference federation (the same recipe without noise); members are the clients the seeded "
+        "sampler drew at least once, non-members those it never drew; the canary clients (each canary 8 whole-word "
+        "tokens written 4 times, with probability 1/2) are in neither group. Exposure: of the canaries written, "
+        "against 1,000 never written (chance about 1.44 bits). Noise at the server, client level. Zero-shot test "
+        f"perplexity {result['zero_shot_perplexity']:.2f}. Means over seeds, each seed's value in brackets; the "
+        "TPR intervals of each run are in the JSON."]
+    header = ["| run | seeds | test perplexity | MIA AUC | its 95% interval, each seed | TPR @ FPR 10% | TPR @ FPR 1% "
+              "| exposure, bits | one-run lower bound | accountant epsilon |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, f in result["federations"].items():
+        groups = [g for g in _groups(rows) if g[0]["federation"] == name]
+        if not groups:
+            continue
+        lines += ["", f"## {f['title']}", "", _setting(name, f, result["aux_units"]), "", *header]
+        for group in groups:
+            r = group[0]
+            eps = "inf (not private)" if r["accountant_epsilon"] is None else \
+                f"{r['accountant_epsilon']:.2f} ({r['threat_model']})"
+            lines.append(
+                f"| {_label(r)} | {len(group)} | {_mean(group, lambda x: x['perplexity'])} "
+                f"| {_mean(group, lambda x: x['membership']['auc'])} "
+                f"| {'; '.join('[{:.3f}, {:.3f}]'.format(*x['membership']['auc_interval']) for x in group)} "
+                f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.1'])} "
+                f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.01'])} "
+                f"| {_mean(group, lambda x: x['canaries']['exposure_included'])} "
+                f"| {_mean(group, lambda x: x['canaries']['one_run_lower_bound'])} "
+                f"| {eps} |")
     lines += ["", f"Command: `{command}`  ", f"Commits: {', '.join(sorted({r['commit'] for r in rows}))}  ",
               f"Machine: {machine()}  ", "", f"![the table as figures]({NAME}.png)", ""]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines))
@@ -216,8 +256,8 @@ def _write(result: dict, command: str) -> None:
 
 
 def _plot(rows: list[dict], command: str) -> None:
-    """Perplexity, MIA AUC and exposure against epsilon per private strategy; the runs without noise at the right
-    ("none"), a marker per strategy and batch."""
+    """Perplexity, MIA AUC and exposure against epsilon per private strategy (the preset's federation); the runs
+    without noise at the right ("none"): hollow markers the preset's, filled the federation made to remember."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -227,22 +267,25 @@ def _plot(rows: list[dict], command: str) -> None:
               ("membership AUC (0.5: no signal)", lambda r: r["membership"]["auc"]),
               ("canary exposure, bits (~1.44: chance)", lambda r: r["canaries"]["exposure_included"])]
     epsilons = sorted({r["epsilon"] for r in rows if r["epsilon"] is not None})
-    none_x = (max(epsilons) * 2) if epsilons else 1.0
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    none_x = max(epsilons) * 2 if epsilons else 1.0
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.2))
     for ax, (title, get) in zip(axes, panels):
-        for group in _groups(rows):
-            r = group[0]
-            values = [get(x) for x in group]
-            if r["epsilon"] is None:
-                ax.errorbar([none_x * (0.9 if r["batch"] == 8 else 1.1)], [np.mean(values)],
-                            yerr=[[np.mean(values) - min(values)], [max(values) - np.mean(values)]],
-                            fmt="s" if r["strategy"] == "flexlora" else "D", label=_label(r), capsize=3)
+        plain = [g for g in _groups(rows) if g[0]["epsilon"] is None]
+        for i, group in enumerate(plain):
+            r, values = group[0], [get(x) for x in group]
+            mean = float(np.mean(values))
+            ax.errorbar([none_x * 1.12 ** (i - (len(plain) - 1) / 2)], [mean],
+                        yerr=[[mean - min(values)], [max(values) - mean]], capsize=3,
+                        fmt="s" if r["strategy"] == "flexlora" else "D",
+                        mfc="none" if r["federation"] == "preset" else None,
+                        label=f"{_label(r)} ({'preset' if r['federation'] == 'preset' else 'made to remember'})")
         for strategy in dict.fromkeys(r["strategy"] for r in rows if r["epsilon"] is not None):
             points = [g for g in _groups(rows) if g[0]["strategy"] == strategy]
-            xs = [g[0]["epsilon"] for g in points]
-            ax.plot(xs, [np.mean([get(x) for x in g]) for g in points], "o-", label=strategy)
+            ax.plot([g[0]["epsilon"] for g in points], [np.mean([get(x) for x in g]) for g in points], "o-",
+                    label=f"{strategy} (preset)")
         ax.set_xscale("log", base=2)
         ax.set_xticks(epsilons + [none_x], [f"{e:g}" for e in epsilons] + ["none"])
+        ax.minorticks_off()
         ax.set_xlabel("target epsilon (client level)")
         ax.set_title(title, fontsize=10)
         if "AUC" in title:

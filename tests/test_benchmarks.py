@@ -442,8 +442,8 @@ def test_the_pfl_table_states_each_goal_from_the_medians_of_the_latest_commit(tm
 
 
 def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilon(tmp_path, monkeypatch):
-    """The federated Table 1: every cell is run once (a finished one is read back), the rows of seeds not asked
-    for are kept, and each row says whether it is private and under which threat model."""
+    """The federated Table 1: every cell is run once, in both federations (a finished one is read back), the rows of
+    seeds not asked for are kept, and each row says whether it is private and under which threat model."""
     from benchmarks import common
     from benchmarks import text_membership as table
 
@@ -455,7 +455,8 @@ def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilo
         return {**cell, "perplexity": 170.0 + cell["seed"], "commit": "abc",
                 "accountant_epsilon": cell["epsilon"] if private else None,
                 "threat_model": "central DP" if private else "not private",
-                "membership": {"auc": 0.5 + 0.1 * (not private), "tpr_at_fpr_0.1": 0.1, "tpr_at_fpr_0.01": 0.01},
+                "membership": {"auc": 0.5 + 0.1 * (not private), "auc_interval": [0.45, 0.65], "tpr_at_fpr_0.1": 0.1,
+                               "tpr_at_fpr_0.01": 0.01},
                 "canaries": {"exposure_included": 1.5, "one_run_lower_bound": 0.0}}
 
     for module in (common, table):
@@ -464,12 +465,17 @@ def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilo
     monkeypatch.setattr(table, "zero_shot_perplexity", lambda config: 237.66)
     monkeypatch.setattr(table, "local_epochs", lambda config, batch: batch / 2)
     assert table.main(["--seeds", "0", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
-    assert ran == ["flexlora-b16", "ffa-lora-b16", "flexlora-b8", "ffa-lora-b8", "gm-ffa-lora-b16-eps8"]
+    assert ran == ["flexlora-b16", "ffa-lora-b16", "flexlora-b8", "ffa-lora-b8", "preset-ffa-lora-b16",
+                   "preset-flexlora-b16", "preset-gm-ffa-lora-b16-eps8"]
     assert table.main(["--seeds", "1", "--private", "gm-ffa-lora", "--epsilons", "8", "--work", str(tmp_path)]) == 0
     text = (tmp_path / "text_membership.md").read_text()
-    assert "| LoRA (A trained), batch 8 | 2 | 170.500 (170.000, 171.000) | 0.600" in text
-    assert "| gm-ffa-lora, epsilon 8 | 2 |" in text and "| 8.00 (central DP) |" in text
-    assert text.count("inf (not private)") == 4 and (tmp_path / "text_membership.png").is_file()
+    remember, preset = text.split("## A federation made to remember")[1].split("## The text preset's federation")
+    assert "| LoRA (A trained), batch 8 | 2 | 170.500 (170.000, 171.000) | 0.600 (0.600, 0.600) | [0.450, 0.650]; " \
+        "[0.450, 0.650] |" in remember
+    assert "400 clients" in remember and "971 clients" in preset and "batch 8: 4.0 local epochs" in remember
+    assert "| gm-ffa-lora, epsilon 8 | 2 |" in preset and "| 8.00 (central DP) |" in preset
+    assert "| FA-LoRA (A frozen), no noise | 2 |" in preset
+    assert text.count("inf (not private)") == 6 and (tmp_path / "text_membership.png").is_file()
 
 
 @pytest.mark.parametrize("argv, message", [(["--private", "ffa-lora"], "not a private strategy: ffa-lora"),
