@@ -99,7 +99,7 @@ def zero_shot_perplexity(config) -> float:
     return config.task.evaluate(model, config.task.test_data(config, "cpu"))["perplexity"]
 
 
-def run_cell(cell: dict, work: Path) -> dict:
+def run_cell(cell: dict, work: Path, commit: str = "") -> dict:
     from fedlora.strategies.text_audit import audit_text
 
     config = cell_config(cell)
@@ -111,7 +111,7 @@ def run_cell(cell: dict, work: Path) -> dict:
     print(f"== {cell_name(cell)}, seed {cell['seed']}", flush=True)
     result = audit_text(config, canaries=FEDERATIONS[cell["federation"]]["canaries"], aux_units=AUX_UNITS,
                         out_dir=out_dir, reference_dir=reference, echo=lambda line: print(f"   {line}", flush=True))
-    result = {**cell, **result, "commit": revision(),
+    result = {**cell, **result, "commit": commit or revision(),
               "accountant_epsilon": result["accountant_epsilon"] if math.isfinite(result["accountant_epsilon"])
               else None}
     (out_dir / "audit.json").write_text(json.dumps(result, indent=2) + "\n")
@@ -159,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, f in FEDERATIONS.items()}
     meta = {"federations": federations, "aux_units": AUX_UNITS, "zero_shot_perplexity": saved.get(
         "zero_shot_perplexity") or zero_shot_perplexity(cell_config(todo[0]))}
-    started = time.time()
+    started, commit = time.time(), revision()  # the code this process runs, whatever is committed meanwhile
     for i, cell in enumerate(todo, 1):
-        rows[_key(cell)] = run_cell(cell, Path(args.work))
+        rows[_key(cell)] = run_cell(cell, Path(args.work), commit)
         print(f"[{i}/{len(todo)}] {cell_name(cell)} seed {cell['seed']}: {_summary(rows[_key(cell)])} "
               f"({(time.time() - started) / 60:.0f} min so far)", flush=True)
         _write({**meta, "cells": sorted(rows.values(), key=_order)}, command_line(f"benchmarks.{NAME}"))
@@ -205,6 +205,16 @@ def _mean(group: list[dict], get) -> str:
     return text + (f" ({', '.join(f'{v:.3f}' for v in values)})" if len(values) > 1 else "")
 
 
+def _recent(group: list[dict]) -> str:
+    """The AUC of the members the model saw last, with its interval per seed ("-" for runs scored before it was)."""
+    recent = [r["membership"].get("recent", {}) for r in group]
+    if not all("auc" in x for x in recent):
+        return "-"
+    return (f"{np.mean([x['auc'] for x in recent]):.3f} ("
+            + "; ".join(f"{x['auc']:.3f} [{x['auc_interval'][0]:.3f}, {x['auc_interval'][1]:.3f}], "
+                        f"{x['members']} members" for x in recent) + ")")
+
+
 def _setting(name: str, f: dict, aux_units: int) -> str:
     sets, epochs = f["sets"], f["local_epochs"]
     preset = load_config("bible", [f"{k}={v}" for k, v in sets.items()])
@@ -229,8 +239,8 @@ def _write(result: dict, command: str) -> None:
         f"perplexity {result['zero_shot_perplexity']:.2f}. Means over seeds, each seed's value in brackets; the "
         "TPR intervals of each run are in the JSON."]
     header = ["| run | seeds | test perplexity | MIA AUC | its 95% interval, each seed | TPR @ FPR 10% | TPR @ FPR 1% "
-              "| exposure, bits | one-run lower bound | accountant epsilon |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "| AUC, members drawn in the last tenth of the rounds | exposure, bits | one-run lower bound "
+              "| accountant epsilon |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, f in result["federations"].items():
         groups = [g for g in _groups(rows) if g[0]["federation"] == name]
         if not groups:
@@ -246,6 +256,7 @@ def _write(result: dict, command: str) -> None:
                 f"| {'; '.join('[{:.3f}, {:.3f}]'.format(*x['membership']['auc_interval']) for x in group)} "
                 f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.1'])} "
                 f"| {_mean(group, lambda x: x['membership']['tpr_at_fpr_0.01'])} "
+                f"| {_recent(group)} "
                 f"| {_mean(group, lambda x: x['canaries']['exposure_included'])} "
                 f"| {_mean(group, lambda x: x['canaries']['one_run_lower_bound'])} "
                 f"| {eps} |")

@@ -882,6 +882,10 @@ def _text_audit(args: argparse.Namespace, config) -> dict:
         say(f"  membership (a client whose text took part; its loss under the reference less under the model): AUC "
             f"{m['auc']:.3f} [{m['auc_interval'][0]:.3f}, {m['auc_interval'][1]:.3f}], TPR {m['tpr_at_fpr_0.1']:.3f} "
             f"at FPR 10%, {m['tpr_at_fpr_0.01']:.3f} at FPR 1% ({m['members']} members, {m['non_members']} not)")
+        if "auc" in (recent := m["recent"]):
+            say(f"  the {recent['members']} members drawn last in release {recent['from_release']} or later: AUC "
+                f"{recent['auc']:.3f} [{recent['auc_interval'][0]:.3f}, {recent['auc_interval'][1]:.3f}], TPR "
+                f"{recent['tpr_at_fpr_0.01']:.3f} at FPR 1%")
     else:
         say(f"  membership: not measured ({m['members']} members, {m['non_members']} not: two of each needed)")
     say(f"  canaries: {c['included']} of {c['count']} written {c['repeats']} times, exposure {c['exposure_included']:.2f} "

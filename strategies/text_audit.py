@@ -8,23 +8,25 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from flwr.app import Context, RecordDict
 from flwr.common.logger import LOGGER_NAME as FLOWER_LOGGER
 
+from fedlora.algorithms import LoRAMode, get_algorithm
 from fedlora.audit import (CONFIDENCE, auc_interval, exposure, one_run_lower_bound, roc_auc, tpr_at_fpr,
                            tpr_interval)
-from fedlora.clients.app import app as client_app
-from fedlora.algorithms import LoRAMode, get_algorithm
 from fedlora.checkpoint import ENDED, FINISHED, STATE_FILE, Checkpoint
+from fedlora.clients.app import app as client_app
 from fedlora.config import RunConfig
-from fedlora.experiment import load_run_config
+from fedlora.experiment import load_run_config, sampling_of
 from fedlora.lora import get_adapters
+from fedlora.privacy.ledger import PrivacyLedger
 from fedlora.round_plan import GlobalState, derive_seed
-from fedlora.server_round import ServerSide
 from fedlora.run_keys import OUT_DIR_KEY, RESUME_KEY, SIMULATION_KEY
+from fedlora.server_round import ServerSide
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.server_app import run_federation
 from fedlora.text import load_tokenizer, partition_units, text_splits, tokenized_units, tokenizer_of
@@ -56,6 +58,9 @@ def check_text_audit(config: RunConfig, canaries: int, aux_units: int) -> None:
             problems.append(f"{config.dataset} has {units} training units: {config.num_clients} clients and an "
                             f"auxiliary split of {aux_units} need {config.num_clients + aux_units} (lower "
                             "num-clients or --aux-units).")
+    if config.noise_source != "seeded":  # who took part is read back from the run's seeded sampler
+        problems.append('The text audit knows who took part from the run\'s seeded sampler: use noise-source = '
+                        '"seeded" (the simulations\' default).')
     if config.sampling != "fixed":  # a canary client's text with or without its canary: a replaced client
         problems.append('The text audit compares with the replace-one accountant of fixed sampling: use sampling = '
                         '"fixed".')
@@ -78,6 +83,34 @@ def _federate(values: dict, out_dir: Path, echo):
                                             run_config=run_config), echo=echo)
     finally:
         flower.setLevel(level)
+
+
+@dataclass
+class Federation:
+    """What the attacks need of a finished federation: its protocol and final state, who each release drew, and
+    its ledger (None without noise)."""
+    protocol: object
+    state: GlobalState
+    draws: list[list[int]]
+    ledger: PrivacyLedger | None
+
+
+def federation(values: dict, out_dir: Path, echo) -> Federation:
+    """The federation ``values`` describes: the one ``out_dir`` holds if it finished this very run (an audit scored
+    again without training again), else run now, or the rest of one stopped there."""
+    config = RunConfig.from_mapping(values)
+    saved = Checkpoint.load(out_dir) if (out_dir / STATE_FILE).is_file() else None
+    if saved is not None and saved.status == FINISHED and load_run_config(out_dir)[0] == config:
+        echo(f"finished in {out_dir}")
+        _, z, probe_z = load_run_config(out_dir)
+        protocol, state, releases = ServerSide(config, z, probe_z), saved.state, saved.releases
+        ledger = PrivacyLedger.from_dict(saved.ledger) if saved.ledger is not None else None
+    else:
+        run = _federate(values, out_dir, echo)
+        protocol, state, releases, ledger = run.protocol, run.state, run.releases, run.ledger
+    sampling = sampling_of(config)
+    draws = [list(sampling.draw(protocol.sampling_generator(r))) for r in range(1, releases + 1)]
+    return Federation(protocol, state, draws, ledger)
 
 
 def _model_at(protocol, state: GlobalState):
@@ -111,17 +144,21 @@ def check_reference(config: RunConfig, aux_units: int, reference_dir: Path) -> N
 
 
 def _reference_model(config: RunConfig, splits, aux_units: int, reference_dir: Path, echo):
-    """The reference federation's final model: the one a finished run in ``reference_dir`` left, else a run now (or
-    the rest of one stopped there)."""
+    """The reference federation's final model (``federation``: a finished one in reference_dir is not run again)."""
     recipe = reference_recipe(config, aux_units, reference_dir)
     write_reference_text(splits, reference_dir / "text", aux_units=aux_units)
-    run_dir, what = reference_dir / "run", f"{recipe.strategy} (no noise) over the {aux_units} auxiliary units"
-    if (run_dir / STATE_FILE).is_file() and (saved := Checkpoint.load(run_dir)).status == FINISHED:
-        echo(f"the reference federation: {what}, finished in {run_dir}")
-        return _model_at(ServerSide(recipe, 0.0, 0.0), saved.state)
-    echo(f"the reference federation: {what}")
-    reference = _federate(recipe.to_mapping(), run_dir, echo)
+    echo(f"the reference federation: {recipe.strategy} (no noise) over the {aux_units} auxiliary units")
+    reference = federation(recipe.to_mapping(), reference_dir / "run", echo)
     return _model_at(reference.protocol, reference.state)
+
+
+def _attack(members: np.ndarray, others: np.ndarray) -> dict:
+    """The membership attack's AUC and TPR at FPR 10% and 1%, each with its 95% interval (two of each needed)."""
+    if len(members) < 2 or len(others) < 2:
+        return {}
+    return {"auc": roc_auc(members, others), "auc_interval": auc_interval(members, others),
+            **{f"tpr_at_fpr_{fpr}": tpr_at_fpr(members, others, fpr) for fpr in (0.1, 0.01)},
+            **{f"tpr_at_fpr_{fpr}_interval": tpr_interval(members, others, fpr) for fpr in (0.1, 0.01)}}
 
 
 def _final_perplexity(run_dir: Path) -> float | None:
@@ -154,13 +191,11 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
                             written=written)
     echo(f"the audited federation: {config.strategy}, {canaries} canary clients ({int(drawn.included.sum())} with "
          f"their canary), {aux_units} units kept out as the auxiliary split")
-    audited = _federate({**config.to_mapping(), "dataset": f"folder:{root}"}, out_dir / "audited", echo)
+    audited = federation({**config.to_mapping(), "dataset": f"folder:{root}"}, out_dir / "audited", echo)
     model = _model_at(audited.protocol, audited.state)
     reference_model = _reference_model(config, splits, aux_units, reference_dir, echo)
 
-    sampled = set()
-    for release in range(1, audited.releases + 1):
-        sampled.update(audited.sampling.draw(audited.protocol.sampling_generator(release)))
+    last_drawn = {c: release for release, drawn_then in enumerate(audited.draws, 1) for c in drawn_then}
     client_units = tokenized_units(f"folder:{root}", "train", tokenizer_of(config))
     eos = tokenizer.eos_id
 
@@ -171,18 +206,23 @@ def audit_text(config: RunConfig, *, canaries: int, aux_units: int, out_dir: Pat
         return text_loss(reference_model, own, config.seq_len, eos) - text_loss(model, own, config.seq_len, eos)
 
     plain = [c for c in range(config.num_clients) if c not in set(canary_clients)]
-    members = np.array([score(c) for c in plain if c in sampled])
-    others = np.array([score(c) for c in plain if c not in sampled])
-    membership = {"members": len(members), "non_members": len(others)}
-    if len(members) >= 2 and len(others) >= 2:
-        membership |= {"auc": roc_auc(members, others), "auc_interval": auc_interval(members, others),
-                       **{f"tpr_at_fpr_{fpr}": tpr_at_fpr(members, others, fpr) for fpr in (0.1, 0.01)},
-                       **{f"tpr_at_fpr_{fpr}_interval": tpr_interval(members, others, fpr) for fpr in (0.1, 0.01)}}
+    scores = {c: score(c) for c in plain}
+    members = np.array([scores[c] for c in plain if c in last_drawn])
+    others = np.array([scores[c] for c in plain if c not in last_drawn])
+    membership = {"members": len(members), "non_members": len(others), **_attack(members, others)}
+    # the members whose text the model saw last, in the final tenth of the releases: what forgetting leaves most of
+    recent_from = len(audited.draws) - max(1, len(audited.draws) // 10) + 1
+    recent = np.array([scores[c] for c in plain if last_drawn.get(c, 0) >= recent_from])
+    membership["recent"] = {"from_release": recent_from, "members": len(recent), **_attack(recent, others)}
 
     canary_scores = -sequence_losses(model, list(drawn.sequences), eos)
     null = -sequence_losses(model, list(drawn.candidates), eos)
     bits = exposure(canary_scores, null)
     ledger = audited.ledger
+    (out_dir / "scores.json").write_text(json.dumps({  # every score, to read again without scoring again
+        "clients": {str(c): {"score": v, "last_drawn": last_drawn.get(c)} for c, v in scores.items()},
+        "canaries": {"included": drawn.included.tolist(), "scores": canary_scores.tolist()},
+        "candidates": null.tolist()}) + "\n")
     return {
         "strategy": config.strategy, "threat_model": ledger.trust_model if ledger else "not private",
         "accountant_epsilon": ledger.report().epsilon if ledger else math.inf, "delta": config.delta,

@@ -449,7 +449,7 @@ def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilo
 
     ran = []
 
-    def fake_cell(cell, work):
+    def fake_cell(cell, work, commit):
         ran.append(table.cell_name(cell))
         private = cell["epsilon"] is not None
         return {**cell, "perplexity": 170.0 + cell["seed"], "commit": "abc",
@@ -483,7 +483,7 @@ def test_the_text_table_keeps_other_seeds_rows_and_names_each_run_and_its_epsilo
 def test_the_text_table_refuses_bad_input_in_one_line_before_any_run(argv, message, capsys, monkeypatch):
     from benchmarks import text_membership as table
 
-    monkeypatch.setattr(table, "run_cell", lambda cell, work: pytest.fail("ran"))
+    monkeypatch.setattr(table, "run_cell", lambda cell, work, commit: pytest.fail("ran"))
     assert table.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1

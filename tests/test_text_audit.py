@@ -3,6 +3,7 @@ its attacks rank by, on a tiny GPT-2 trained in process: exposure high for a can
 never seen; membership AUC near 1 where few members were trained on many times, and 0.5 within its interval for a
 model that never saw them."""
 
+import json
 import math
 
 import numpy as np
@@ -128,6 +129,8 @@ def test_the_text_audit_refuses_a_run_without_an_auxiliary_split_in_one_line(tmp
     assert "\n" not in str(refused.value)
     with pytest.raises(ValueError, match="need 75"):  # 70 units of training text
         check_text_audit(_text_config(tmp_path), canaries=20, aux_units=15)
+    with pytest.raises(ValueError, match="seeded sampler"):  # who took part would be unknown to the audit
+        check_text_audit(_text_config(tmp_path, **{"noise-source": "os"}), canaries=20, aux_units=10)
 
 
 def test_fedlora_audit_text_prints_its_attacks_beside_the_accountant_and_refuses_bad_input_in_one_line(tmp_path,
@@ -159,6 +162,16 @@ def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_
     assert 0 <= canaries["exposure_included"] <= canaries["exposure_max"] == pytest.approx(math.log2(101))
     assert result["accountant_epsilon"] == math.inf and result["threat_model"] == "not private"
     assert len(list((tmp_path / "audit" / "text" / "train").iterdir())) == 60  # 70 units less the 10 auxiliary
+    recent = membership["recent"]  # the members drawn in the last release (a tenth of 2, at least one)
+    assert recent["from_release"] == 2 and 0 < recent["members"] <= membership["members"]
+    scores = json.loads((tmp_path / "audit" / "scores.json").read_text())
+    assert len(scores["clients"]) == 40 and len(scores["candidates"]) == 100
+    # scored again from the finished federations, nothing trained again: the same numbers
+    said = []
+    again = audit_text(_text_config(tmp_path), canaries=20, aux_units=10, out_dir=tmp_path / "audit",
+                       candidates=100, echo=said.append)
+    assert sum(line.startswith("finished in") for line in said) == 2 and not any("round" in line for line in said)
+    assert again["membership"] == membership and again["canaries"] == canaries
     # a private audit of the same recipe uses the reference federation the first one finished; another recipe's
     # audit is refused before it runs, the reference left as it was
     said = []
@@ -166,7 +179,7 @@ def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_
                          out_dir=tmp_path / "private", candidates=100, reference_dir=tmp_path / "audit" / "reference",
                          echo=said.append)
     assert math.isfinite(private["accountant_epsilon"]) and private["threat_model"] != "not private"
-    assert any(line.endswith(f"finished in {tmp_path / 'audit' / 'reference' / 'run'}") for line in said)
+    assert f"finished in {tmp_path / 'audit' / 'reference' / 'run'}" in said
     with pytest.raises(ValueError, match=r"another recipe \(local-steps = 2, this audit's 1\)"):
         audit_text(_text_config(tmp_path, **{"local-steps": 1}), canaries=20, aux_units=10,
                    out_dir=tmp_path / "other", candidates=100, reference_dir=tmp_path / "audit" / "reference")
