@@ -275,7 +275,7 @@ def _plot(rows: list[dict], command: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = [("test perplexity (lower: better)", lambda r: r["perplexity"]),
-              ("membership AUC (0.5: no signal)", lambda r: r["membership"]["auc"]),
+              ("membership AUC and its 95% interval (0.5: no signal)", lambda r: r["membership"]["auc"]),
               ("canary exposure, bits (~1.44: chance)", lambda r: r["canaries"]["exposure_included"])]
     epsilons = sorted({r["epsilon"] for r in rows if r["epsilon"] is not None})
     none_x = max(epsilons) * 2 if epsilons else 1.0
@@ -285,8 +285,12 @@ def _plot(rows: list[dict], command: str) -> None:
         for i, group in enumerate(plain):
             r, values = group[0], [get(x) for x in group]
             mean = float(np.mean(values))
+            # the AUC's interval (the widest over the seeds), else the seeds' spread
+            low, high = ((min(x["membership"]["auc_interval"][0] for x in group),
+                          max(x["membership"]["auc_interval"][1] for x in group)) if "AUC" in title
+                         else (min(values), max(values)))
             ax.errorbar([none_x * 1.12 ** (i - (len(plain) - 1) / 2)], [mean],
-                        yerr=[[mean - min(values)], [max(values) - mean]], capsize=3,
+                        yerr=[[mean - low], [high - mean]], capsize=3,
                         fmt="s" if r["strategy"] == "flexlora" else "D",
                         mfc="none" if r["federation"] == "preset" else None,
                         label=f"{_label(r)} ({'preset' if r['federation'] == 'preset' else 'made to remember'})")
