@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         "zero_shot_perplexity") or zero_shot_perplexity(cell_config(todo[0]))}
     started, commit = time.time(), revision()  # the code this process runs, whatever is committed meanwhile
     for i, cell in enumerate(todo, 1):
+        if _key(cell) in rows:  # a cell in the committed results stands (delete its row to measure it again)
+            continue
         rows[_key(cell)] = run_cell(cell, Path(args.work), commit)
         print(f"[{i}/{len(todo)}] {cell_name(cell)} seed {cell['seed']}: {_summary(rows[_key(cell)])} "
               f"({(time.time() - started) / 60:.0f} min so far)", flush=True)

@@ -859,9 +859,10 @@ def _text_audit(args: argparse.Namespace, config) -> dict:
     from pathlib import Path
 
     from fedlora.experiment import check_before_start, noise_for
-    from fedlora.strategies.text_audit import audit_text, check_text_audit
+    from fedlora.strategies.text_audit import MIN_TEXT_CANARIES, audit_text, check_text_audit
 
-    canaries = min(100, config.num_clients // 2) if args.canaries is None else args.canaries
+    # half the clients, up to 100, and never fewer than the least the audit takes
+    canaries = max(MIN_TEXT_CANARIES, min(100, config.num_clients // 2)) if args.canaries is None else args.canaries
     check_text_audit(config, canaries, args.aux_units)
     check_before_start(config)
     noise_for(config)  # raises for an unreachable target epsilon
@@ -1008,7 +1009,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                "0 skips the run)")
     au.add_argument("--text", action="store_true", help="a language model's federation at client level: membership "
                     "inference by loss against a reference federation on --aux-units, and text canaries' exposure "
-                    "(--canaries of them, default 100 or half the clients)")
+                    "(--canaries of them, default half the clients, at least 20 and at most 100)")
     au.add_argument("--aux-units", type=int, default=0, help="--text: the last training units (chapters, files) kept "
                                                              "from every client, the reference model's data")
     au.add_argument("--reference", type=_path_arg, help="--text: the reference federation's directory, shared by "

@@ -86,8 +86,8 @@ def test_a_canary_trained_on_is_exposed_and_one_never_seen_is_at_chance():
 
 def test_membership_by_loss_difference_finds_members_trained_on_and_nothing_without_them():
     rng = np.random.default_rng(2)
-    clients = [draw_sequences(TOKENIZER, 3, 16, rng) for _ in range(40)]  # each client: three short texts
-    members, others = clients[:20], clients[20:]
+    clients = [draw_sequences(TOKENIZER, 3, 16, rng) for _ in range(24)]  # each client: three short texts
+    members, others = clients[:12], clients[12:]
     reference = _tiny_lm(seed=1)
 
     def scores(model, group):
@@ -96,7 +96,7 @@ def test_membership_by_loss_difference_finds_members_trained_on_and_nothing_with
     untouched = _tiny_lm(seed=3)
     lo, hi = auc_interval(scores(untouched, members), scores(untouched, others))
     assert lo <= 0.5 <= hi
-    trained = _train(_tiny_lm(seed=3), [s for c in members for s in c], steps=40)
+    trained = _train(_tiny_lm(seed=3), [s for c in members for s in c], steps=20)
     member_scores, other_scores = scores(trained, members), scores(trained, others)
     assert roc_auc(member_scores, other_scores) > 0.95
     assert auc_interval(member_scores, other_scores)[0] > 0.8
@@ -110,14 +110,14 @@ def _text_config(tmp_path, **overrides):
     from fedlora.config import RunConfig
 
     rng = np.random.default_rng(0)
-    for split, files in (("train", 70), ("test", 5)):
+    for split, files in (("train", 40), ("test", 4)):
         for i in range(files):
             path = tmp_path / "text" / split / f"{i:03d}.txt"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(" ".join(rng.choice(WORDS, 80)))
     return RunConfig.from_mapping({"model": "gpt2-tiny", "dataset": f"folder:{tmp_path / 'text'}",
-                                   "partitioner": "natural", "head": "frozen", "num-clients": 60,
-                                   "clients-per-round": 20, "num-rounds": 2, "local-steps": 2, "batch-size": 4,
+                                   "partitioner": "natural", "head": "frozen", "num-clients": 34,
+                                   "clients-per-round": 12, "num-rounds": 2, "local-steps": 2, "batch-size": 4,
                                    "seq-len": 16, "strategy": "ffa-lora", **overrides})
 
 
@@ -127,61 +127,55 @@ def test_the_text_audit_refuses_a_run_without_an_auxiliary_split_in_one_line(tmp
     with pytest.raises(ValueError, match="--aux-units") as refused:
         check_text_audit(_text_config(tmp_path), canaries=20, aux_units=0)
     assert "\n" not in str(refused.value)
-    with pytest.raises(ValueError, match="need 75"):  # 70 units of training text
-        check_text_audit(_text_config(tmp_path), canaries=20, aux_units=15)
+    with pytest.raises(ValueError, match="need 41"):  # 40 units of training text
+        check_text_audit(_text_config(tmp_path), canaries=20, aux_units=7)
     with pytest.raises(ValueError, match="seeded sampler"):  # who took part would be unknown to the audit
-        check_text_audit(_text_config(tmp_path, **{"noise-source": "os"}), canaries=20, aux_units=10)
+        check_text_audit(_text_config(tmp_path, **{"noise-source": "os"}), canaries=20, aux_units=6)
 
 
-def test_fedlora_audit_text_prints_its_attacks_beside_the_accountant_and_refuses_bad_input_in_one_line(tmp_path,
+def test_fedlora_audit_text_runs_both_federations_scores_every_client_and_canary_and_scores_them_again(tmp_path,
                                                                                                         capsys):
     from fedlora.cli import main
+    from fedlora.config import AUDIT_PRESET, RunConfig
+    from fedlora.strategies.text_audit import audit_text
 
-    config = _text_config(tmp_path)
-    sets = ["--set", "model=gpt2-tiny", f"dataset={config.dataset}", "partitioner=natural", "head=frozen",
-            "num-clients=60", "clients-per-round=20", "num-rounds=2", "local-steps=2", "batch-size=4", "seq-len=16",
-            "strategy=ffa-lora"]
+    sets = ["--set", "model=gpt2-tiny", f"dataset={_text_config(tmp_path).dataset}", "partitioner=natural",
+            "head=frozen", "num-clients=34", "clients-per-round=12", "num-rounds=2", "local-steps=2", "batch-size=4",
+            "seq-len=16", "strategy=ffa-lora"]
+    config = load_config(None, [f"{k}={v}" for k, v in AUDIT_PRESET.items()] + sets[1:])  # the command's
     assert main(["audit", "--text", *sets, "--out", str(tmp_path / "refused")]) == 2
     assert not (tmp_path / "refused").exists()
     assert capsys.readouterr().err.count("\n") == 1  # one line: the auxiliary split
-    assert main(["audit", "--text", "--aux-units", "10", "--canaries", "20", *sets, "--out", str(tmp_path / "audit")]) == 0
+    assert main(["audit", "--text", "--aux-units", "6", "--canaries", "20", *sets, "--out", str(tmp_path / "audit")]) == 0
     out = capsys.readouterr().out
     assert "membership" in out and "exposure" in out and "accountant epsilon inf" in out
-    assert (tmp_path / "audit" / "audit.json").is_file()
-
-
-def test_the_text_audit_runs_both_federations_and_scores_every_plain_client_and_canary(tmp_path):
-    from fedlora.strategies.text_audit import audit_text
-
-    result = audit_text(_text_config(tmp_path), canaries=20, aux_units=10, out_dir=tmp_path / "audit",
-                        candidates=100, echo=lambda line: None)
+    result = json.loads((tmp_path / "audit" / "audit.json").read_text())
     membership, canaries = result["membership"], result["canaries"]
-    assert membership["members"] + membership["non_members"] == 60 - 20  # the canary clients are in neither
+    assert membership["members"] + membership["non_members"] == 34 - 20  # the canary clients are in neither
     assert 0 < membership["members"] and 0 <= membership["auc"] <= 1
     assert canaries["count"] == 20 and 0 < canaries["included"] < 20
-    assert 0 <= canaries["exposure_included"] <= canaries["exposure_max"] == pytest.approx(math.log2(101))
-    assert result["accountant_epsilon"] == math.inf and result["threat_model"] == "not private"
-    assert len(list((tmp_path / "audit" / "text" / "train").iterdir())) == 60  # 70 units less the 10 auxiliary
+    assert 0 <= canaries["exposure_included"] <= canaries["exposure_max"] == pytest.approx(math.log2(1001))
+    assert result["accountant_epsilon"] is None and result["threat_model"] == "not private"
+    assert len(list((tmp_path / "audit" / "text" / "train").iterdir())) == 34  # 40 units less the 6 auxiliary
     recent = membership["recent"]  # the members drawn in the last release (a tenth of 2, at least one)
     assert recent["from_release"] == 2 and 0 < recent["members"] <= membership["members"]
     scores = json.loads((tmp_path / "audit" / "scores.json").read_text())
-    assert len(scores["clients"]) == 40 and len(scores["candidates"]) == 100
+    assert len(scores["clients"]) == 14 and len(scores["candidates"]) == 1000
     # scored again from the finished federations, nothing trained again: the same numbers
     said = []
-    again = audit_text(_text_config(tmp_path), canaries=20, aux_units=10, out_dir=tmp_path / "audit",
-                       candidates=100, echo=said.append)
+    again = audit_text(config, canaries=20, aux_units=6, out_dir=tmp_path / "audit", echo=said.append)
     assert sum(line.startswith("finished in") for line in said) == 2 and not any("round" in line for line in said)
-    assert again["membership"] == membership and again["canaries"] == canaries
+    assert json.loads(json.dumps([again["membership"], again["canaries"]])) == [membership, canaries]
     # a private audit of the same recipe uses the reference federation the first one finished; another recipe's
     # audit is refused before it runs, the reference left as it was
     said = []
-    private = audit_text(_text_config(tmp_path, strategy="gm-ffa-lora"), canaries=20, aux_units=10,
+    private = audit_text(RunConfig.from_mapping({**config.to_mapping(), "strategy": "gm-ffa-lora"}), canaries=20, aux_units=6,
                          out_dir=tmp_path / "private", candidates=100, reference_dir=tmp_path / "audit" / "reference",
                          echo=said.append)
     assert math.isfinite(private["accountant_epsilon"]) and private["threat_model"] != "not private"
     assert f"finished in {tmp_path / 'audit' / 'reference' / 'run'}" in said
     with pytest.raises(ValueError, match=r"another recipe \(local-steps = 2, this audit's 1\)"):
-        audit_text(_text_config(tmp_path, **{"local-steps": 1}), canaries=20, aux_units=10,
+        audit_text(RunConfig.from_mapping({**config.to_mapping(), "local-steps": 1}), canaries=20, aux_units=6,
                    out_dir=tmp_path / "other", candidates=100, reference_dir=tmp_path / "audit" / "reference")
     assert not (tmp_path / "other").exists()
 
