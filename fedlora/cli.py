@@ -525,6 +525,9 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
     if config.linear_probe_rounds():
         print(f"  linear probe, rounds 1-{config.linear_probe_rounds()}: {protocol.probe_mechanism.describe()}")
     print(f"  mechanism: {protocol.describe()}")
+    if left_out := config.task.left_out(config):
+        which = f"{len(left_out)} samples that do" if len(left_out) > 1 else "1 sample that does"
+        print(f"  data: {which} not decode left out (unreadable = \"skip\"), the first {left_out[0]}")
     ignored = config.ignored_keys()
     if unread := [key for key, _ in map(parse_assignment, getattr(args, "set", None) or []) if key in ignored]:
         print(f"  ignored: --set {', '.join(unread)} ({ignored[unread[0]]})")

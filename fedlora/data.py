@@ -242,34 +242,55 @@ def is_user_dataset(name: str) -> bool:
     return name.startswith((HUB_PREFIX, FOLDER_PREFIX))
 
 
+def load_user_dataset(name: str, *, image_column: str = "", label_column: str = "", client_column: str = "",
+                      unreadable: str = "refuse") -> tuple[datasets.Dataset, datasets.Dataset]:
+    """(train, test) of ``_user_dataset``."""
+    return _user_dataset(name, image_column, label_column, client_column, unreadable)[:2]
+
+
+def unreadable_left_out(name: str, *, image_column: str = "", label_column: str = "", client_column: str = "",
+                        unreadable: str = "refuse") -> tuple[str, ...]:
+    """The images of a user's dataset left out because they do not decode (unreadable = "skip"): each file (or
+    split and row), why, in one line apiece."""
+    return _user_dataset(name, image_column, label_column, client_column, unreadable)[2]
+
+
 @functools.lru_cache(maxsize=4)
-def load_user_dataset(name: str, *, image_column: str = "", label_column: str = "",
-                      client_column: str = "") -> tuple[datasets.Dataset, datasets.Dataset]:
+def _user_dataset(name: str, image_column: str, label_column: str, client_column: str,
+                  unreadable: str) -> tuple[datasets.Dataset, datasets.Dataset, tuple[str, ...]]:
     """(train, test) of the user's own image-classification data, in CIFAR-100's schema: a Hugging Face dataset
     ("hf:<id>", read by ``datasets.load_dataset``) or a folder with one subfolder of images per class
     ("folder:<path>", read by the ``imagefolder`` builder; ``train/`` and ``test/`` subfolders, if there, are the
     splits). The image column is the one Image feature, the label column the one ClassLabel (else an integer
     column named label, labels or fine_label), unless named. A client column (client-column, else one of
     CLIENT_COLUMNS), where there is one, is kept in train as ``client``: the natural partition's. Without a test (or
-    validation) split, a stratified ``HELD_OUT_FRACTION`` of train is held out. Raises ValueError, one sentence, on
-    anything that cannot be used."""
+    validation) split, a stratified ``HELD_OUT_FRACTION`` of train is held out. Every image is opened first: one that
+    does not decode is refused (``unreadable`` = "refuse", naming it) or left out ("skip", the third element says
+    which). Raises ValueError, one sentence, on anything that cannot be used."""
     with _quiet_datasets():
         if name.startswith(HUB_PREFIX):
             raw = _hub_dataset(name.removeprefix(HUB_PREFIX))
         else:
             raw = _folder_dataset(Path(name.removeprefix(FOLDER_PREFIX)).expanduser())
-        return _common_splits(name, raw, image_column, label_column, client_column)
+        return _common_splits(name, raw, image_column, label_column, client_column, unreadable)
 
 
 def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str, label_column: str,
-                   client_column: str = "") -> tuple[datasets.Dataset, datasets.Dataset]:
+                   client_column: str = "", unreadable: str = "refuse") -> tuple[datasets.Dataset, datasets.Dataset,
+                                                                               tuple[str, ...]]:
     train = raw["train"] if "train" in raw else raw[next(iter(raw))] if len(raw) == 1 else None
     if train is None:
         raise ValueError(f"{name} has no train split (its splits: {', '.join(raw)}).")
     image, label = _image_column(name, train, image_column), _label_column(name, train, label_column)
+    held_out = next((raw[s] for s in ("test", "validation") if s in raw), None)
+    left_out = []
+    for split_name, split in (("train", train), ("test", held_out)):
+        if split is not None and image in split.column_names:
+            kept, dropped = _readable_images(name, split_name, split, image, unreadable)
+            train, held_out = (kept, held_out) if split_name == "train" else (train, kept)
+            left_out += dropped
     found = [c for c in CLIENT_COLUMNS if c in train.column_names and c not in (image, label)]
     client = _column(name, train, client_column, found, kind="client") if client_column or len(found) == 1 else None
-    held_out = next((raw[s] for s in ("test", "validation") if s in raw), None)
     if isinstance(train.features[label], datasets.ClassLabel):
         names = list(train.features[label].names)
     else:
@@ -302,8 +323,38 @@ def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str, labe
         stratified = counts.min() >= 2 and math.ceil(HELD_OUT_FRACTION * len(train)) >= len(names)
         parts = train.train_test_split(test_size=HELD_OUT_FRACTION, seed=HELD_OUT_SEED,
                                        stratify_by_column=LABEL_COLUMN if stratified else None)
-        return parts["train"], parts["test"]
-    return train, common_schema(held_out)
+        return parts["train"], parts["test"], tuple(left_out)
+    return train, common_schema(held_out), tuple(left_out)
+
+
+def _readable_images(name: str, split_name: str, split: datasets.Dataset, column: str,
+                     unreadable: str) -> tuple[datasets.Dataset, list[str]]:
+    """``split`` without the rows whose image does not open as one (a text file named .png, a truncated file):
+    refused in one line naming the first, or with ``unreadable`` = "skip" left out and named. Each image is opened
+    and verified, not decoded: cheap enough for every process that loads the data."""
+    root = Path(name.removeprefix(FOLDER_PREFIX)).expanduser() if name.startswith(FOLDER_PREFIX) else None
+    bad: list[tuple[int, str]] = []
+    rows = split.cast_column(column, datasets.Image(decode=False)).select_columns([column])
+    for start in range(0, len(rows), 1000):
+        for offset, value in enumerate(rows[start:start + 1000][column]):
+            where = value.get("path") or ""
+            where = os.path.relpath(where, root) if root is not None and where else where or \
+                f"{split_name} row {start + offset}"
+            try:
+                with PIL.Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as opened:
+                    opened.verify()
+            except Exception as error:  # PIL's many kinds: UnidentifiedImageError, OSError, SyntaxError, ...
+                bad.append((start + offset, f"{where} ({type(error).__name__}: {_first_line(error)})"))
+    if not bad:
+        return split, []
+    if unreadable != "skip":
+        many = f"{len(bad)} images in its {split_name} split that do not decode, the first" if len(bad) > 1 else \
+            f"an image in its {split_name} split that does not decode:"
+        raise ValueError(f"{name} has {many} {bad[0][1]}: remove or replace "
+                         f"{'them' if len(bad) > 1 else 'it'}, or set unreadable = \"skip\" to leave such images out "
+                         "(counted where the run starts).")
+    dropped = {i for i, _ in bad}
+    return split.select([i for i in range(len(split)) if i not in dropped]), [why for _, why in bad]
 
 
 def _hub_dataset(hub_id: str) -> datasets.DatasetDict:
@@ -365,11 +416,12 @@ def _column(name: str, train: datasets.Dataset, chosen: str, candidates: list[st
     return candidates[0]
 
 
-def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "", client_column: str = "") -> int:
+def dataset_classes(dataset: str, *, image_column: str = "", label_column: str = "", client_column: str = "",
+                    unreadable: str = "refuse") -> int:
     """How many classes a dataset has: fixed for the built-in ones, read off the data for the user's own."""
     if is_user_dataset(dataset):
         train, _ = load_user_dataset(dataset, image_column=image_column, label_column=label_column,
-                                     client_column=client_column)
+                                     client_column=client_column, unreadable=unreadable)
         return train.features[LABEL_COLUMN].num_classes
     return {"cifar100": len(FINE_LABEL_NAMES), "fashion-mnist": len(FASHION_MNIST_CLASSES)}.get(dataset,
                                                                                                 SYNTHETIC_CLASSES)
@@ -775,7 +827,8 @@ def load_split(config, split: str) -> datasets.Dataset:
         raise ValueError(f"Unknown split {split!r}; expected train or test.")
     if is_user_dataset(config.dataset):
         train, test = load_user_dataset(config.dataset, image_column=config.image_column,
-                                        label_column=config.label_column, client_column=config.client_column)
+                                        label_column=config.label_column, client_column=config.client_column,
+                                        unreadable=config.unreadable)
         return train if split == "train" else test
     if config.dataset == "cifar100":
         return load_cifar100(split)

@@ -543,11 +543,11 @@ def test_the_real_fashion_mnist(tmp_path):
 
 @pytest.fixture
 def fresh_user_datasets():
-    from fedlora.data import load_user_dataset
+    from fedlora.data import _user_dataset
 
-    load_user_dataset.cache_clear()
+    _user_dataset.cache_clear()
     yield
-    load_user_dataset.cache_clear()
+    _user_dataset.cache_clear()
 
 
 def image_folder(root: Path, counts: dict[str, int], *, gray: str | None = None) -> Path:
@@ -706,6 +706,31 @@ def test_folders_that_cannot_be_used_are_one_line_each(tmp_path, make, message, 
     assert "\n" not in str(info.value)
 
 
+def test_images_that_do_not_decode_are_left_out_and_named_when_asked(tmp_path, fresh_user_datasets):
+    """unreadable = "skip": a text file named .png (in train) and a truncated PNG (in test) are left out, each named
+    with why; the rest loads as before."""
+    from fedlora.data import load_user_dataset, unreadable_left_out
+
+    image_folder(tmp_path / "train", {"a": 4, "b": 5})
+    image_folder(tmp_path / "test", {"a": 2, "b": 1})
+    (tmp_path / "train" / "a" / "notes.png").write_text("not an image")
+    whole = (tmp_path / "test" / "b" / "0.png").read_bytes()
+    (tmp_path / "test" / "b" / "cut.png").write_bytes(whole[:len(whole) // 2])
+    name = f"folder:{tmp_path}"
+    with pytest.raises(ValueError, match='unreadable = "skip"') as refused:
+        load_user_dataset(name)
+    assert "\n" not in str(refused.value) and "train/a/notes.png" in str(refused.value)
+    train, test = load_user_dataset(name, unreadable="skip")
+    assert (len(train), len(test)) == (9, 3)
+    left_out = unreadable_left_out(name, unreadable="skip")
+    assert [line.split(" (")[0] for line in left_out] == ["train/a/notes.png", "test/b/cut.png"], left_out
+    assert "UnidentifiedImageError" in left_out[0]
+    from fedlora.config import load_config
+
+    config = load_config(None, [f"dataset={name}", "unreadable=skip"])
+    assert config.task.left_out(config) == left_out and config.classes == 2
+
+
 def test_a_hub_class_without_training_images_is_refused(monkeypatch, fresh_user_datasets):
     import fedlora.data as data_module
     from fedlora.data import load_user_dataset
@@ -723,13 +748,17 @@ def test_bad_user_data_stops_the_cli_before_any_work(tmp_path, capsys, offline, 
     from fedlora.cli import main
 
     root = image_folder(tmp_path / "pets", {"cat": 3, "dog": 3})
+    broken = image_folder(tmp_path / "broken", {"cat": 3, "dog": 3})
+    (broken / "cat" / "bad.png").write_text("not an image")
     out = tmp_path / "run"
     cases = [(["dataset=fashion_mnist"], "dataset must be one of synthetic, cifar100, fashion-mnist, hf:<id> or "
                                           "folder:<path>, got 'fashion_mnist'; did you mean 'fashion-mnist'?"),
              (["dataset=hf:nobody/nothing"], "hf:nobody/nothing could not be loaded from the Hugging Face hub"),
              ([f"dataset=folder:{root}", "label-column=kind"], "has no column 'kind' (label-column)"),
              ([f"dataset=folder:{root}", "num-classes=10"], "has 2 classes, but num-classes = 10: set num-classes = 2"),
-             (["image-column=pixels"], "image-column and label-column name the columns of an hf: or folder: dataset")]
+             (["image-column=pixels"], "image-column and label-column name the columns of an hf: or folder: dataset"),
+             ([f"dataset=folder:{broken}"], f"folder:{broken} has an image in its train split that does not decode: "
+                                            "cat/bad.png (UnidentifiedImageError")]
     for assignments, message in cases:
         assert main(["run", *[a for s in assignments for a in ("--set", s)], "--out", str(out)]) == 2
         err = capsys.readouterr().err

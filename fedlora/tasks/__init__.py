@@ -36,6 +36,10 @@ class Task:
     def check_before_start(self, config) -> None:
         """Raises ValueError, one sentence, on what would fail once processes run."""
 
+    def left_out(self, config) -> tuple[str, ...]:
+        """The samples of the run's data left out because they do not decode (unreadable = "skip"), one line each."""
+        return ()
+
     def train_data(self, config, node, device):
         raise NotImplementedError
 

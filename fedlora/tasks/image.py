@@ -8,7 +8,7 @@ import functools
 import torch.nn.functional as F
 
 from fedlora.data import (FOLDER_PREFIX, HUB_PREFIX, dataset_classes, is_user_dataset, load_image_dir,
-                          load_partition, load_split, make_partitioner, to_torch)
+                          load_partition, load_split, make_partitioner, to_torch, unreadable_left_out)
 from fedlora.models import logits, model_spec
 from fedlora.tasks import Task
 
@@ -23,7 +23,8 @@ class ImageClassification(Task):
         """num-classes, else the data's (read off the data for hf: and folder:)."""
         return config.num_classes or dataset_classes(config.dataset, image_column=config.image_column,
                                                      label_column=config.label_column,
-                                                     client_column=config.client_column)
+                                                     client_column=config.client_column,
+                                                     unreadable=config.unreadable)
 
     def problems(self, config) -> list[str]:
         problems = []
@@ -56,6 +57,12 @@ class ImageClassification(Task):
                             f"{DATASET_CLASSES[config.dataset]} (or 0, the data's).")
         return problems
 
+    def left_out(self, config) -> tuple[str, ...]:
+        if not is_user_dataset(config.dataset):
+            return ()
+        return unreadable_left_out(config.dataset, image_column=config.image_column, label_column=config.label_column,
+                                   client_column=config.client_column, unreadable=config.unreadable)
+
     def check_before_start(self, config) -> None:
         from fedlora.data import fashion_mnist_unavailable_reason
         from fedlora.hub import offline_requested, unreachable_reason
@@ -67,7 +74,8 @@ class ImageClassification(Task):
             raise ValueError(reason)
         if is_user_dataset(config.dataset):  # read now (cached for the run): a bad column or class is one line here
             found = dataset_classes(config.dataset, image_column=config.image_column,
-                                    label_column=config.label_column, client_column=config.client_column)
+                                    label_column=config.label_column, client_column=config.client_column,
+                                    unreadable=config.unreadable)
             if config.num_classes and config.num_classes != found:
                 raise ValueError(f"{config.dataset} has {found} classes, but num-classes = {config.num_classes}: set "
                                  f"num-classes = {found}, or 0 (the data's).")
