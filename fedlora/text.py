@@ -168,7 +168,7 @@ def _folder_units(name: str, folder: Path, text_column: str, client_column: str)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = str(path.relative_to(folder))
         if path.suffix.lower() in TEXT_SUFFIXES:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            text = _utf8_text(name, path, relative)
             if not text.strip():
                 raise ValueError(f"{name}: '{relative}' is empty: every file is a unit of text, and a unit needs "
                                  "text.")
@@ -567,7 +567,7 @@ def _folder_examples(name: str, folder: Path, text_column: str, label_column: st
             if not files:
                 raise ValueError(f"{name}: class folder '{directory.name}' holds no .txt files.")
             for path in files:
-                text = path.read_text(encoding="utf-8", errors="replace")
+                text = _utf8_text(name, path, str(path.relative_to(folder)))
                 if not text.strip():
                     raise ValueError(f"{name}: '{path.relative_to(folder)}' is empty: every file is an example, and "
                                      "an example needs text.")
@@ -587,10 +587,20 @@ def _folder_rows(name: str, folder: Path) -> list[tuple[str, list[dict]]]:
     return found
 
 
+def _utf8_text(name: str, path: Path, relative: str) -> str:
+    """A user's text file; ValueError, one sentence naming it, where its bytes are not UTF-8 (read with replacement,
+    the model would train on U+FFFD in their place, and nobody would know)."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{name}: '{relative}' is not UTF-8 (byte {error.object[error.start]:#04x} at offset "
+                         f"{error.start}): convert it (iconv -f <its encoding> -t utf-8) or remove it.") from None
+
+
 def _json_lines(name: str, path: Path, relative: str) -> list:
     """A JSON-lines file's rows (blank lines skipped); ValueError, one sentence, for a line not JSON or no rows."""
     rows = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, line in enumerate(_utf8_text(name, path, relative).splitlines(), start=1):
         if line.strip():
             try:
                 rows.append(json.loads(line))

@@ -36,7 +36,7 @@ def test_the_real_bible_has_1189_chapters_one_in_ten_held_out():
 
 def _write(path, text):
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
     return path
 
 
@@ -77,6 +77,10 @@ def test_a_hub_style_dataset_reads_its_text_column_and_splits(tmp_path):
     ({"a.jsonl": "not json"}, {}, "line 1 of 'a.jsonl' is not JSON."),
     ({"a.txt": "only one"}, {}, "has 1 unit of text: a test split needs another (add a file, or a test/ folder)."),
     ({"a.csv": "x"}, {}, "holds no text: expected .txt or .jsonl files."),
+    ({"a.txt": "caf\xe9 au lait".encode("latin-1"), "b.txt": "x"}, {},  # read with replacement, U+FFFD trained on
+     "'a.txt' is not UTF-8 (byte 0xe9 at offset 3): convert it (iconv -f <its encoding> -t utf-8) or remove it."),
+    ({"a.jsonl": '{"text": "na\xefve"}'.encode("latin-1")}, {}, "'a.jsonl' is not UTF-8 (byte 0xef at offset 12): convert it (iconv -f <its encoding> -t utf-8) or remove "
+                                               "it."),
 ])
 def test_bad_text_is_one_sentence(tmp_path, files, options, message):
     for name, text in files.items():
