@@ -596,6 +596,21 @@ def _done(rows: list[dict], out_dir, config) -> None:
         print(f"done: {result}; metrics.jsonl, adapter/, {column}.png{events} in {out_dir}")
     if config.dataset == "synthetic":  # the quickstart's data: say where real images are
         print(REAL_DATA_NEXT)
+    if failed := _failures(rows, out_dir):  # last: a hole in the data is not to be missed under the results
+        print(failed)
+
+
+def _failures(rows: list[dict], out_dir) -> str | None:
+    """The run's clients that failed or whose replies were rejected, in one line: how many, in how many rounds, and
+    the first reason (their tracebacks are in flower.log); None if every reply counted."""
+    hit = [r for r in rows if r.get("failed") or r.get("rejected")]
+    if not hit:
+        return None
+    replies = sum(r.get("failed", 0) + r.get("rejected", 0) for r in hit)
+    first = next((r for r in hit if r.get("first_failure")), hit[0])
+    return (f"clients failed: {replies} repl{'ies' if replies > 1 else 'y'} not aggregated in {len(hit)} of "
+            f"{len(rows)} rounds; the first, round {first['round']}: {first.get('first_failure') or 'no reason given'} "
+            f"(tracebacks: {os.path.join(out_dir, 'flower.log')})")
 
 
 def run(args: argparse.Namespace) -> None:

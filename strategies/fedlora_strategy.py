@@ -40,7 +40,7 @@ def _mean_telemetry(metrics: list) -> dict[str, float]:
 # what a round's info holds that its metrics row reads (fedlora.experiment.RunRecorder._accounted)
 ROUND_TELEMETRY = ("release", "sampled", "replies", "failed", "rejected", "nodes", "bytes_up", "bytes_down",
                    "aggregation_seconds", "train_seconds", "privatize_seconds", "startup_seconds", "train_loss",
-                   "clip_norm", "clip_fraction", "startup")
+                   "clip_norm", "clip_fraction", "startup", "first_failure")
 NODE_WAIT_SECONDS = 300.0  # how long the first round waits for every SuperNode to connect
 PARTITION_QUERY_TRIES = 3  # asks to the nodes that have not told their partition before the run gives up
 

@@ -559,6 +559,11 @@ def test_a_packed_message_that_fails_loses_each_of_its_clients(tmp_path):
     assert len(grid.calls) == 2 and rows[0]["sampled"] == 3
     assert rows[0]["failed"] == 2 and rows[0]["replies"] == 1 and rows[0]["rejected"] == 0  # node 0 carried 2
     assert strategy.ledger.rounds == 1
+    from fedlora.cli import _failures  # the run's last line says so
+
+    assert _failures(rows, tmp_path) == (f"clients failed: 2 replies not aggregated in 1 of 1 rounds; the first, round "
+                                         f"1: {rows[0]['first_failure']} (tracebacks: {tmp_path / 'flower.log'})")
+    assert "injected" in rows[0]["first_failure"] and _failures([{**rows[0], "failed": 0}], tmp_path) is None
 
 
 def test_a_failed_client_is_told_by_the_error_it_raised_last():
