@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import functools
 import io
+import logging
 import math
 import os
 import pickle
@@ -427,13 +428,15 @@ def dataset_classes(dataset: str, *, image_column: str = "", label_column: str =
                                                                                                 SYNTHETIC_CLASSES)
 
 
-def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> datasets.Dataset:
+def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int,
+                   unreadable: str = "refuse") -> datasets.Dataset:
     """A device's own images, in CIFAR-100's schema: CIFAR-100's python format or an ImageFolder layout.
 
     CIFAR-100's python format is a directory holding the pickled ``train`` file of
     ``cifar-100-python.tar.gz``. An ImageFolder has one sub-directory per class; a class is named by its
     CIFAR-100 name (with 100 classes) or by its label index, so that every device maps a class to the same
-    label whichever classes it happens to hold.
+    label whichever classes it happens to hold. An image that does not decode is refused in one line naming it, or
+    with ``unreadable`` = "skip" left out (the node's log counts them).
     """
     root = Path(data_dir).expanduser()
     if not root.is_dir():
@@ -442,6 +445,17 @@ def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> dat
         images, labels = _cifar_python_train(root / "train")
     else:
         images, labels = _image_folder(root, num_classes)
+        bad = [i for i, path in enumerate(images) if not _opens(path)]
+        if bad and unreadable != "skip":
+            raise ValueError(f"data-dir '{root}' has {len(bad)} {'images that do' if len(bad) > 1 else 'image that does'} not decode, "
+                             f"the first {os.path.relpath(images[bad[0]], root)}: remove or replace "
+                             f"{'them' if len(bad) > 1 else 'it'}, or set unreadable = \"skip\" to leave such "
+                             "images out.")
+        if bad:
+            logging.getLogger("fedlora").warning("data-dir '%s': %d images that do not decode left out, the first %s",
+                                                 root, len(bad), os.path.relpath(images[bad[0]], root))
+            dropped = set(bad)
+            images, labels = ([x for i, x in enumerate(xs) if i not in dropped] for xs in (images, labels))
     if not len(labels):
         raise ValueError(f"data-dir '{root}' holds no images (expected CIFAR-100's python 'train' file or one "
                          f"folder of {', '.join(IMAGE_SUFFIXES)} images per class).")
@@ -453,6 +467,16 @@ def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int) -> dat
     labels = np.asarray(labels)
     return datasets.Dataset.from_dict({IMAGE_COLUMN: images, LABEL_COLUMN: labels,
                                        COARSE_LABEL_COLUMN: labels % len(COARSE_LABEL_NAMES)}, features=features)
+
+
+def _opens(path: str) -> bool:
+    """Whether an image file opens as one (verified, not decoded)."""
+    try:
+        with PIL.Image.open(path) as opened:
+            opened.verify()
+        return True
+    except Exception:  # PIL's many kinds: UnidentifiedImageError, OSError, SyntaxError, ...
+        return False
 
 
 def _cifar_python_train(path: Path) -> tuple[list, list[int]]:

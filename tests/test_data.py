@@ -407,6 +407,16 @@ def test_image_dir_rejects_what_it_cannot_label(tmp_path, layout, message):
         load_image_dir(tmp_path, num_classes=10)
 
 
+def test_an_image_in_a_data_dir_that_does_not_decode_is_named_or_left_out(tmp_path):
+    (tmp_path / "3").mkdir()
+    for i in range(2):
+        Image.new("RGB", (8, 8)).save(tmp_path / "3" / f"{i}.png")
+    (tmp_path / "3" / "bad.png").write_text("not an image")
+    with pytest.raises(ValueError, match=r"has 1 image that does not decode, the first 3/bad.png: remove or replace it"):
+        load_image_dir(tmp_path, num_classes=10)
+    assert load_image_dir(tmp_path, num_classes=10, unreadable="skip")[LABEL_COLUMN] == [3, 3]
+
+
 def test_image_dir_rejects_a_missing_directory_and_a_foreign_pickle(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         load_image_dir(tmp_path / "missing", num_classes=10)

@@ -84,7 +84,8 @@ class ImageClassification(Task):
 
     def train_data(self, config, node, device):
         """The node's own images (data-dir), else its partition of the run's dataset, decoded onto ``device``."""
-        data = (load_image_dir(node.data_dir, num_classes=self.classes(config)) if node.data_dir
+        data = (load_image_dir(node.data_dir, num_classes=self.classes(config), unreadable=config.unreadable)
+                if node.data_dir
                 else load_partition(_partitioner(config, node.num_partitions), node.partition_id))
         return to_torch(data, model_spec(config.model).image_size, train=True, device=device)
 
