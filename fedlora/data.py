@@ -331,8 +331,7 @@ def _common_splits(name: str, raw: datasets.DatasetDict, image_column: str, labe
 def _readable_images(name: str, split_name: str, split: datasets.Dataset, column: str,
                      unreadable: str) -> tuple[datasets.Dataset, list[str]]:
     """``split`` without the rows whose image does not open as one (a text file named .png, a truncated file):
-    refused in one line naming the first, or with ``unreadable`` = "skip" left out and named. Each image is opened
-    and verified, not decoded: cheap enough for every process that loads the data."""
+    refused in one line naming the first, or with ``unreadable`` = "skip" left out and named."""
     root = Path(name.removeprefix(FOLDER_PREFIX)).expanduser() if name.startswith(FOLDER_PREFIX) else None
     bad: list[tuple[int, str]] = []
     rows = split.cast_column(column, datasets.Image(decode=False)).select_columns([column])
@@ -341,11 +340,8 @@ def _readable_images(name: str, split_name: str, split: datasets.Dataset, column
             where = value.get("path") or ""
             where = os.path.relpath(where, root) if root is not None and where else where or \
                 f"{split_name} row {start + offset}"
-            try:
-                with PIL.Image.open(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]) as opened:
-                    opened.verify()
-            except Exception as error:  # PIL's many kinds: UnidentifiedImageError, OSError, SyntaxError, ...
-                bad.append((start + offset, f"{where} ({type(error).__name__}: {_first_line(error)})"))
+            if why := _decode_error(io.BytesIO(value["bytes"]) if value.get("bytes") else value["path"]):
+                bad.append((start + offset, f"{where} ({why})"))
     if not bad:
         return split, []
     if unreadable != "skip":
@@ -445,7 +441,7 @@ def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int,
         images, labels = _cifar_python_train(root / "train")
     else:
         images, labels = _image_folder(root, num_classes)
-        bad = [i for i, path in enumerate(images) if not _opens(path)]
+        bad = [i for i, path in enumerate(images) if _decode_error(path)]
         if bad and unreadable != "skip":
             raise ValueError(f"data-dir '{root}' has {len(bad)} {'images that do' if len(bad) > 1 else 'image that does'} not decode, "
                              f"the first {os.path.relpath(images[bad[0]], root)}: remove or replace "
@@ -469,14 +465,15 @@ def load_image_dir(data_dir: str | os.PathLike[str], *, num_classes: int,
                                        COARSE_LABEL_COLUMN: labels % len(COARSE_LABEL_NAMES)}, features=features)
 
 
-def _opens(path: str) -> bool:
-    """Whether an image file opens as one (verified, not decoded)."""
+def _decode_error(source) -> str | None:
+    """Why an image (a path or a file object) does not open as one, in one line; None if it does. Verified, not
+    decoded: cheap enough for every process that reads the data."""
     try:
-        with PIL.Image.open(path) as opened:
+        with PIL.Image.open(source) as opened:
             opened.verify()
-        return True
-    except Exception:  # PIL's many kinds: UnidentifiedImageError, OSError, SyntaxError, ...
-        return False
+        return None
+    except Exception as error:  # PIL's many kinds: UnidentifiedImageError, OSError, SyntaxError, ...
+        return f"{type(error).__name__}: {_first_line(error)}"
 
 
 def _cifar_python_train(path: Path) -> tuple[list, list[int]]:

@@ -50,7 +50,7 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     """Also the levers in deployment: noise at the server (from the OS), updates with server momentum, adaptive
     clipping with the clip bits of real SuperNodes."""
     config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 2,
-                                     "min-replies": 2, "reply-timeout": 35, "noise-placement": "server",
+                                     "min-replies": 2, "reply-timeout": 70, "noise-placement": "server",
                                      "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
                                      "clip-count-stddev": 5.0})
     monkeypatch.setattr(RoundProgress, "PLAIN_EVERY", 10.0)  # 30 s for users: the test waits less
@@ -61,7 +61,8 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     round_lines = [line for line in lines if line.startswith("round")]
     assert [r["round"] for r in rows] == [1, 2] and len(round_lines) == 2
     assert [r["replies"] for r in rows] == [3, 2] and "(2 of 3 replies)" in round_lines[1]
-    # round 2 waits out its 35 s timeout for the lost node (round 1 takes about 20 s): after 10 s it says how many
+    # round 2 waits out its 70 s timeout for the lost node (round 1 takes about 20 s on a quiet 2-core machine, 40 s
+    # and more on a slower one beside another test worker, where 35 s lost round 1): after 10 s it says how many
     # replies have arrived
     assert any(re.fullmatch(r"  round   2/2  [0-2] of 3 replies so far", line) for line in lines), lines
     assert all(r["accuracy"] is not None for r in rows)
