@@ -150,8 +150,9 @@ class RunConfig:
                                      "subfolder of .txt files per class (a file an example) or JSON-lines files (a row "
                                      "an example, with a text and a label field)")
     image_column: str = _opt("", "an hf: or folder: dataset's image column (empty: its one Image feature)")
-    unreadable: str = _opt("refuse", "an hf: or folder: dataset's images that do not decode: refuse (one line naming "
-                                     "the first, before any work) or skip (left out, and counted where the run starts)",
+    unreadable: str = _opt("refuse", "an hf: or folder: dataset's images that do not decode, or its text files not "
+                                     "UTF-8 and JSON lines not JSON: refuse (one line naming the first, before any "
+                                     "work) or skip (left out, and counted where the run starts)",
                            choices=("refuse", "skip"))
     label_column: str = _opt("", "an hf: or folder: dataset's label column (empty: its one ClassLabel, else label; "
                                  "text: label, labels, class or category)")

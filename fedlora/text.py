@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -58,6 +59,7 @@ class TextSplits:
 
     train: tuple[tuple[str, str], ...]
     test: tuple[tuple[str, str], ...]
+    left_out: tuple[str, ...] = ()  # files or lines that do not decode, skipped as the user asked (unreadable = "skip")
 
 
 # -- corpora ----------------------------------------------------------------------------------------------------
@@ -115,16 +117,18 @@ def fortunes_texts() -> list[str]:
 
 # -- the user's own text ----------------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=4)
-def user_text(name: str, *, text_column: str = "", client_column: str = "") -> TextSplits:
+def user_text(name: str, *, text_column: str = "", client_column: str = "", unreadable: str = "refuse") -> TextSplits:
     """The units of "folder:<path>" (.txt files, one unit each; JSON-lines files, one unit per client-column value or
     per line; train/ and test/ subfolders, if there, are the splits) or of "hf:<id>" (a hub dataset's text column,
     one unit per client-column value or per row). Without a test split, a seeded HELD_OUT_FRACTION of the units is
-    held out. Raises ValueError, one sentence, on anything that cannot be used."""
+    held out. Raises ValueError, one sentence, on anything that cannot be used; a file that is not UTF-8 or a line
+    that is not JSON is refused so too, or with ``unreadable`` = "skip" left out and named in ``left_out``."""
+    undecodable = Undecodable(name, unreadable)
     if name.startswith(HUB_PREFIX):
         splits = [_rows_units(name, list(split), text_column, client_column) if split is not None else None
                   for split in _hub_splits(name)]
     else:
-        splits = [_folder_units(name, f, text_column, client_column) if f is not None else None
+        splits = [_folder_units(name, f, text_column, client_column, undecodable) if f is not None else None
                   for f in _folder_splits(name)]
     train, test = splits
     if not train:
@@ -135,7 +139,7 @@ def user_text(name: str, *, text_column: str = "", client_column: str = "") -> T
         if len(train) < 2:
             raise ValueError(f"{name} has 1 unit of text: a test split needs another (add a file, or a test/ folder).")
         test, train = [train[i] for i in sorted(order[:count])], [train[i] for i in sorted(order[count:])]
-    return TextSplits(tuple(train), tuple(test))
+    return TextSplits(tuple(train), tuple(test), tuple(undecodable.left_out))
 
 
 def _hub_splits(name: str, label_column: str = "") -> tuple:
@@ -163,18 +167,19 @@ def _folder_splits(name: str) -> tuple[Path, Path | None]:
     return root, None
 
 
-def _folder_units(name: str, folder: Path, text_column: str, client_column: str) -> list[tuple[str, str]]:
+def _folder_units(name: str, folder: Path, text_column: str, client_column: str,
+                  undecodable: Undecodable) -> list[tuple[str, str]]:
     units = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         relative = str(path.relative_to(folder))
         if path.suffix.lower() in TEXT_SUFFIXES:
-            text = _utf8_text(name, path, relative)
+            if (text := undecodable.text(path, relative)) is None:
+                continue
             if not text.strip():
                 raise ValueError(f"{name}: '{relative}' is empty: every file is a unit of text, and a unit needs "
                                  "text.")
             units.append((relative, text))
-        elif path.suffix.lower() in JSONL_SUFFIXES:
-            rows = _json_lines(name, path, relative)
+        elif path.suffix.lower() in JSONL_SUFFIXES and (rows := undecodable.json_lines(path, relative)):
             units += [(f"{relative}:{unit}", text) for unit, text in _rows_units(f"{name}/{relative}", rows,
                                                                                  text_column, client_column)]
     return units
@@ -213,12 +218,13 @@ def _text_column(name: str, columns: list[str], first: dict, chosen: str, candid
                      f"set {kind}-column.")
 
 
-def text_splits(dataset: str, *, text_column: str = "", client_column: str = "") -> TextSplits:
+def text_splits(dataset: str, *, text_column: str = "", client_column: str = "",
+                unreadable: str = "refuse") -> TextSplits:
     """The units of a text dataset by name: a built-in corpus, "folder:<path>" or "hf:<id>"."""
     if dataset == BIBLE_KJV:
         return bible_splits()
     if dataset.startswith((FOLDER_PREFIX, HUB_PREFIX)):
-        return user_text(dataset, text_column=text_column, client_column=client_column)
+        return user_text(dataset, text_column=text_column, client_column=client_column, unreadable=unreadable)
     raise ValueError(f"'{dataset}' is not text: a language model reads {', '.join(TEXT_DATASETS)}, folder:<path> "
                      "(.txt or .jsonl files) or hf:<id>.")
 
@@ -368,10 +374,10 @@ def vocab_size(model: str) -> int:
 
 # -- token blocks on the device -----------------------------------------------------------------------------------
 @functools.lru_cache(maxsize=8)
-def tokenized_units(dataset: str, split: str, tokenizer: str, text_column: str = "",
-                    client_column: str = "") -> tuple[np.ndarray, ...]:
+def tokenized_units(dataset: str, split: str, tokenizer: str, text_column: str = "", client_column: str = "",
+                    unreadable: str = "refuse") -> tuple[np.ndarray, ...]:
     """Each unit of a split as token ids, once per process."""
-    splits = text_splits(dataset, text_column=text_column, client_column=client_column)
+    splits = text_splits(dataset, text_column=text_column, client_column=client_column, unreadable=unreadable)
     units = splits.train if split == "train" else splits.test
     return tuple(np.asarray(ids, dtype=np.int64) for ids in load_tokenizer(tokenizer).encode([t for _, t in units]))
 
@@ -452,12 +458,16 @@ def to_device_tokens(units: Sequence[np.ndarray], seq_len: int, eos_id: int,
     return DeviceTokens(*token_blocks(units, seq_len, eos_id), device=device)
 
 
-def text_dir_units(path: str | os.PathLike[str]) -> list[tuple[str, str]]:
-    """A device's own text (data-dir): its .txt and .jsonl files, every file's text one unit."""
+def text_dir_units(path: str | os.PathLike[str], unreadable: str = "refuse") -> list[tuple[str, str]]:
+    """A device's own text (data-dir): its .txt and .jsonl files, every file's text one unit. A file that is not
+    UTF-8 or a line that is not JSON is refused, or with ``unreadable`` = "skip" left out (the node's log counts
+    them)."""
     root = Path(path).expanduser()
     if not root.is_dir():
         raise ValueError(f"data-dir '{root}' is not a directory.")
-    units = _folder_units(f"data-dir {root}", root, "", "")
+    undecodable = Undecodable(f"data-dir {root}", unreadable)
+    units = _folder_units(undecodable.name, root, "", "", undecodable)
+    undecodable.log()
     if not units:
         raise ValueError(f"data-dir '{root}' holds no text (.txt or .jsonl files).")
     return units
@@ -472,6 +482,7 @@ class LabelledText:
     train: tuple[tuple[str, int, str | None], ...]
     test: tuple[tuple[str, int, str | None], ...]
     classes: tuple[str, ...]
+    left_out: tuple[str, ...] = ()  # files or lines that do not decode, skipped as the user asked (unreadable = "skip")
 
     @property
     def has_clients(self) -> bool:
@@ -479,12 +490,15 @@ class LabelledText:
 
 
 @functools.lru_cache(maxsize=4)
-def labelled_text(name: str, *, text_column: str = "", label_column: str = "", client_column: str = "") -> LabelledText:
+def labelled_text(name: str, *, text_column: str = "", label_column: str = "", client_column: str = "",
+                  unreadable: str = "refuse") -> LabelledText:
     """The examples of "folder:<path>" (a subfolder of .txt files per class, each file an example; or JSON-lines
     files, a row an example, with a text and a label field; train/ and test/ subfolders, if there, are the splits) or
     of "hf:<id>" (a hub dataset's text and label columns). A client column, if set or found (user, author, ...),
     is the natural partition's unit. Without a test split a seeded, stratified HELD_OUT_FRACTION is held out.
-    Raises ValueError, one sentence, on anything that cannot be used."""
+    Raises ValueError, one sentence, on anything that cannot be used; a file that is not UTF-8 or a line that is not
+    JSON is refused so too, or with ``unreadable`` = "skip" left out and named in ``left_out``."""
+    undecodable = Undecodable(name, unreadable)
     names: list[str] | None = None  # a hub ClassLabel's names, in its order
     if name.startswith(HUB_PREFIX):
         import datasets
@@ -496,8 +510,8 @@ def labelled_text(name: str, *, text_column: str = "", label_column: str = "", c
         splits = [_rows_examples(name, list(split), text_column, label, client_column) if split is not None else None
                   for split in hub]
     else:
-        splits = [_folder_examples(name, f, text_column, label_column, client_column) if f is not None else None
-                  for f in _folder_splits(name)]
+        splits = [_folder_examples(name, f, text_column, label_column, client_column, undecodable) if f is not None
+                  else None for f in _folder_splits(name)]
     train, test = splits
     if not train:
         raise ValueError(f"{name} holds no labelled text: expected a subfolder of .txt files per class, or .jsonl "
@@ -515,7 +529,7 @@ def labelled_text(name: str, *, text_column: str = "", label_column: str = "", c
         raise ValueError(f"{name} has no test examples (each class has one example, or its test split is empty): add "
                          "examples, or a test/ folder.")
     as_index = lambda examples: tuple((t, index[str(label)], c) for t, label, c in examples)  # noqa: E731
-    return LabelledText(as_index(train), as_index(test), tuple(classes))
+    return LabelledText(as_index(train), as_index(test), tuple(classes), tuple(undecodable.left_out))
 
 
 def _labels_column(name: str, columns: Sequence[str], chosen: str) -> str:
@@ -552,8 +566,8 @@ def _rows_examples(name: str, rows: Sequence[dict], text_column: str, label: str
     return examples
 
 
-def _folder_examples(name: str, folder: Path, text_column: str, label_column: str,
-                     client_column: str) -> list[tuple[str, object, str | None]]:
+def _folder_examples(name: str, folder: Path, text_column: str, label_column: str, client_column: str,
+                     undecodable: Undecodable) -> list[tuple[str, object, str | None]]:
     """A split's folder: class subfolders of .txt files (each file an example of its folder's class), or JSON-lines
     files of labelled rows."""
     classes = sorted(d for d in folder.iterdir() if d.is_dir() and d.name not in ("train", "test"))
@@ -567,48 +581,72 @@ def _folder_examples(name: str, folder: Path, text_column: str, label_column: st
             if not files:
                 raise ValueError(f"{name}: class folder '{directory.name}' holds no .txt files.")
             for path in files:
-                text = _utf8_text(name, path, str(path.relative_to(folder)))
+                if (text := undecodable.text(path, str(path.relative_to(folder)))) is None:
+                    continue
                 if not text.strip():
                     raise ValueError(f"{name}: '{path.relative_to(folder)}' is empty: every file is an example, and "
                                      "an example needs text.")
                 examples.append((text, directory.name, None))
         return examples
-    units = _folder_rows(name, folder)
+    units = _folder_rows(folder, undecodable)
     return [e for relative, rows in units for e in _rows_examples(f"{name}/{relative}", rows, text_column,
                                                                   label_column or None, client_column)]
 
 
-def _folder_rows(name: str, folder: Path) -> list[tuple[str, list[dict]]]:
+def _folder_rows(folder: Path, undecodable: Undecodable) -> list[tuple[str, list[dict]]]:
     """Every JSON-lines file's rows under ``folder``, by its path."""
     found = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in JSONL_SUFFIXES):
         relative = str(path.relative_to(folder))
-        found.append((relative, _json_lines(name, path, relative)))
+        if rows := undecodable.json_lines(path, relative):
+            found.append((relative, rows))
     return found
 
 
-def _utf8_text(name: str, path: Path, relative: str) -> str:
-    """A user's text file; ValueError, one sentence naming it, where its bytes are not UTF-8 (read with replacement,
-    the model would train on U+FFFD in their place, and nobody would know)."""
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{name}: '{relative}' is not UTF-8 (byte {error.object[error.start]:#04x} at offset "
-                         f"{error.start}): convert it (iconv -f <its encoding> -t utf-8) or remove it.") from None
+class Undecodable:
+    """What reading a user's text does with a file that is not UTF-8 or a JSON line that is not JSON: refuse, one
+    sentence naming it (read with replacement, the model would train on U+FFFD and nobody would know), or with
+    ``unreadable`` = "skip" leave it out and name it in ``left_out``."""
 
+    SKIP = 'or set unreadable = "skip" to leave such text out (counted where the run starts)'
 
-def _json_lines(name: str, path: Path, relative: str) -> list:
-    """A JSON-lines file's rows (blank lines skipped); ValueError, one sentence, for a line not JSON or no rows."""
-    rows = []
-    for number, line in enumerate(_utf8_text(name, path, relative).splitlines(), start=1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                raise ValueError(f"{name}: line {number} of '{relative}' is not JSON.") from None
-    if not rows:
-        raise ValueError(f"{name}: '{relative}' is empty.")
-    return rows
+    def __init__(self, name: str, unreadable: str = "refuse"):
+        self.name, self.skip, self.left_out = name, unreadable == "skip", []
+
+    def text(self, path: Path, relative: str) -> str | None:
+        try:
+            return path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:
+            self._found(relative, f"not UTF-8 (byte {error.object[error.start]:#04x} at offset {error.start})",
+                        "convert it (iconv -f <its encoding> -t utf-8) or remove it")
+            return None
+
+    def json_lines(self, path: Path, relative: str) -> list:
+        """A JSON-lines file's rows (blank lines skipped); ValueError, one sentence, for a file with none."""
+        if (text := self.text(path, relative)) is None:
+            return []
+        rows, skipped = [], False
+        for number, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    self._found(f"{relative} line {number}", "not JSON", "fix or remove it")
+                    skipped = True
+        if not rows and not skipped:
+            raise ValueError(f"{self.name}: '{relative}' is empty.")
+        return rows
+
+    def log(self) -> None:
+        """A node's own data has no run start to count it at: its log says what was left out."""
+        if self.left_out:
+            logging.getLogger("fedlora").warning("%s: %d file(s) or line(s) of text that do not decode left out, the "
+                                                 "first %s", self.name, len(self.left_out), self.left_out[0])
+
+    def _found(self, where: str, why: str, fix: str) -> None:
+        if not self.skip:
+            raise ValueError(f"{self.name}: '{where}' is {why}: {fix}, {self.SKIP}.")
+        self.left_out.append(f"{where}: {why}")
 
 
 def _held_out(name: str, train: list) -> tuple[list, list]:

@@ -70,17 +70,22 @@ def test_a_hub_style_dataset_reads_its_text_column_and_splits(tmp_path):
     assert [t for _, t in splits.train] == [f"row {i}" for i in range(5)] and splits.test == (("0", "held"),)
 
 
+SKIP = 'or set unreadable = "skip" to leave such text out (counted where the run starts)'
+
+
 @pytest.mark.parametrize(("files", "options", "message"), [
     ({"a.jsonl": '{"body": "x", "note": "y"}'}, {}, "has 2 text columns (body, note): set text-column."),
     ({"a.jsonl": '{"text": "x"}'}, {"text_column": "body"}, "has no column 'body' (text-column); its columns: text."),
     ({"a.txt": "", "b.txt": "x"}, {}, "'a.txt' is empty: every file is a unit of text, and a unit needs text."),
-    ({"a.jsonl": "not json"}, {}, "line 1 of 'a.jsonl' is not JSON."),
+    ({"a.jsonl": "not json"}, {}, "'a.jsonl line 1' is not JSON: fix or remove it, " + SKIP + "."),
     ({"a.txt": "only one"}, {}, "has 1 unit of text: a test split needs another (add a file, or a test/ folder)."),
     ({"a.csv": "x"}, {}, "holds no text: expected .txt or .jsonl files."),
     ({"a.txt": "caf\xe9 au lait".encode("latin-1"), "b.txt": "x"}, {},  # read with replacement, U+FFFD trained on
-     "'a.txt' is not UTF-8 (byte 0xe9 at offset 3): convert it (iconv -f <its encoding> -t utf-8) or remove it."),
-    ({"a.jsonl": '{"text": "na\xefve"}'.encode("latin-1")}, {}, "'a.jsonl' is not UTF-8 (byte 0xef at offset 12): convert it (iconv -f <its encoding> -t utf-8) or remove "
-                                               "it."),
+     "'a.txt' is not UTF-8 (byte 0xe9 at offset 3): convert it (iconv -f <its encoding> -t utf-8) or remove it, "
+     + SKIP + "."),
+    ({"a.jsonl": '{"text": "na\xefve"}'.encode("latin-1")}, {},
+     "'a.jsonl' is not UTF-8 (byte 0xef at offset 12): convert it (iconv -f <its encoding> -t utf-8) or remove it, "
+     + SKIP + "."),
 ])
 def test_bad_text_is_one_sentence(tmp_path, files, options, message):
     for name, text in files.items():
@@ -88,6 +93,26 @@ def test_bad_text_is_one_sentence(tmp_path, files, options, message):
     with pytest.raises(ValueError) as error:
         user_text(f"folder:{tmp_path / 'd'}", **options)
     assert str(error.value).endswith(message) and "\n" not in str(error.value)
+
+
+def test_text_that_does_not_decode_is_left_out_and_named_when_asked(tmp_path):
+    """unreadable = "skip": a Latin-1 file and a line that is not JSON are left out, each named with why; the rest
+    reads as before, and a run's config counts them where it starts."""
+    _write(tmp_path / "d" / "train" / "a.txt", "good")
+    _write(tmp_path / "d" / "train" / "b.txt", "caf\xe9".encode("latin-1"))
+    _write(tmp_path / "d" / "train" / "c.jsonl", '{"text": "kept"}\n{"text": cut')
+    _write(tmp_path / "d" / "test" / "t.txt", "held")
+    name = f"folder:{tmp_path / 'd'}"
+    with pytest.raises(ValueError, match="'b.txt' is not UTF-8"):
+        user_text(name)
+    splits = user_text(name, unreadable="skip")
+    assert [t for _, t in splits.train] == ["good", "kept"] and splits.test == (("t.txt", "held"),)
+    assert splits.left_out == ("b.txt: not UTF-8 (byte 0xe9 at offset 3)", "c.jsonl line 2: not JSON")
+    from fedlora.config import load_config
+
+    config = load_config("bible", [f"dataset={name}", "unreadable=skip", "num-clients=1",
+                                "clients-per-round=1"])
+    assert config.task.left_out(config) == splits.left_out
 
 
 def test_packing_joins_units_with_end_of_text_and_pads_only_the_last_block():

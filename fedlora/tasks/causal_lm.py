@@ -50,20 +50,24 @@ class CausalLM(Task):
         if config.dataset == BIBLE_KJV and (reason := bible_unavailable_reason()):
             raise ValueError(reason)
         check_tokenizer_fits(config).eos_id  # raises if there is none to pack texts with
-        splits = text_splits(config.dataset, text_column=config.text_column, client_column=config.client_column)
+        splits = _splits(config)
         if config.num_clients > len(splits.train):
             raise ValueError(f"{config.dataset} has {len(splits.train)} units of training text (chapters, files or "
                              f"users) for num-clients = {config.num_clients}: set num-clients <= {len(splits.train)}.")
+
+    def left_out(self, config) -> tuple[str, ...]:
+        return _splits(config).left_out
 
     def train_data(self, config, node, device):
         """The node's own text (data-dir), else its partition's units, packed into blocks on ``device``."""
         tokenizer = load_tokenizer(tokenizer_of(config))
         if node.data_dir:
             units = [torch.as_tensor(ids).numpy() for ids in tokenizer.encode([t for _, t in
-                                                                              text_dir_units(node.data_dir)])]
+                                                                              text_dir_units(node.data_dir,
+                                                                                             config.unreadable)])]
         else:
             every = tokenized_units(config.dataset, "train", tokenizer_of(config), config.text_column,
-                                    config.client_column)
+                                    config.client_column, config.unreadable)
             units = [every[i] for i in partition_units(config.partitioner, units=len(every),
                                                        num_partitions=node.num_partitions,
                                                        partition_id=node.partition_id, seed=config.seed)]
@@ -71,7 +75,8 @@ class CausalLM(Task):
 
     def test_data(self, config, device):
         tokenizer = load_tokenizer(tokenizer_of(config))
-        units = tokenized_units(config.dataset, "test", tokenizer_of(config), config.text_column, config.client_column)
+        units = tokenized_units(config.dataset, "test", tokenizer_of(config), config.text_column, config.client_column,
+                                config.unreadable)
         return to_device_tokens(units, config.seq_len, tokenizer.eos_id, device=device)
 
     def example_losses(self, model, batch):
@@ -100,6 +105,11 @@ class CausalLM(Task):
             count += predicted.sum().long()
         mean = loss.item() / max(count.item(), 1)
         return {"accuracy": correct.item() / max(count.item(), 1), "loss": mean, "perplexity": math.exp(mean)}
+
+
+def _splits(config):
+    return text_splits(config.dataset, text_column=config.text_column, client_column=config.client_column,
+                       unreadable=config.unreadable)
 
 
 def _token_losses(model, batch, *, guesses: bool = False):

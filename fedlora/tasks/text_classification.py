@@ -56,11 +56,14 @@ class TextClassification(Task):
         partition_examples(config.partitioner, text, num_partitions=config.num_clients, partition_id=0,
                            seed=config.seed, alpha=config.dirichlet_alpha)  # a natural split without writers: here
 
+    def left_out(self, config) -> tuple[str, ...]:
+        return _text(config).left_out
+
     def train_data(self, config, node, device):
         """The node's own labelled text (data-dir: a subfolder of .txt files per class, named as the run's classes, or
         0..K-1), else its partition of the run's dataset, one example a block on ``device``."""
         if node.data_dir:
-            own = own_examples(node.data_dir, _class_index(config))
+            own = own_examples(node.data_dir, _class_index(config), config.unreadable)
             texts, labels = [t for t, _ in own], [label for _, label in own]
         else:
             text = _text(config)
@@ -104,7 +107,7 @@ def _scores(model, batch) -> torch.Tensor:
 
 def _text(config):
     return labelled_text(config.dataset, text_column=config.text_column, label_column=config.label_column,
-                         client_column=config.client_column)
+                         client_column=config.client_column, unreadable=config.unreadable)
 
 
 def _class_index(config) -> dict[str, int]:
@@ -132,7 +135,7 @@ def _partition(config, num_partitions: int, partition_id: int) -> tuple[int, ...
     return _partitions(config, num_partitions)[partition_id]
 
 
-def own_examples(data_dir, index: dict[str, int]) -> list[tuple[str, int]]:
+def own_examples(data_dir, index: dict[str, int], unreadable: str = "refuse") -> list[tuple[str, int]]:
     """A device's own labelled text: a subfolder of .txt files per class, each class one of the run's."""
     from pathlib import Path
 
@@ -144,7 +147,7 @@ def own_examples(data_dir, index: dict[str, int]) -> list[tuple[str, int]]:
         if directory.name not in index:
             raise ValueError(f"data-dir '{root}': class folder '{directory.name}' is not one of the run's classes "
                              f"({', '.join(list(index)[:5])}{', ...' if len(index) > 5 else ''}).")
-        examples += [(text, index[directory.name]) for _, text in text_dir_units(directory)]
+        examples += [(text, index[directory.name]) for _, text in text_dir_units(directory, unreadable)]
     if not examples:
         raise ValueError(f"data-dir '{root}' holds no labelled text (a subfolder of .txt files per class).")
     return examples
