@@ -23,6 +23,7 @@ from fedlora.mechanisms import NoisePlacement
 from fedlora.round_plan import ASSIGNED, LORA, PACKED, GlobalState, num_bytes, packed_key
 from fedlora.server_round import ServerSide
 from fedlora.privacy import PrivacyLedger, SamplingScheme
+from fedlora.privacy.node_budget import REFUSED
 from fedlora.strategies.replies import error_line, gather
 from fedlora.strategies.secure_aggregation import secure_sum
 
@@ -205,7 +206,13 @@ class FedLoRAStrategy(Strategy):
             log(WARNING, "%s%s", self._shortfall(server_round),
                 "; retrying with new clients" if attempt < self.config.round_retries else "")
         tries = self.config.round_retries + 1
-        self._stop(STALLED, f"{self._shortfall(server_round)}, in " + (f"each of {tries} tries" if tries > 1 else "its one try"))
+        shortfall = f"{self._shortfall(server_round)}, in " + (f"each of {tries} tries" if tries > 1 else "its one try")
+        info = self.rounds[server_round]
+        if info["failed"] and info.get("refused") == info["failed"] and info["replies"] + info["failed"] == \
+                info["sampled"]:  # a resume would meet the same refusals: the nodes' budgets end the run
+            self._stop(BUDGET_SPENT, f"the nodes' own privacy budgets are spent: {shortfall}")
+        else:
+            self._stop(STALLED, shortfall)
         return None
 
     def _shortfall(self, server_round: int) -> str:
@@ -401,6 +408,7 @@ class FedLoRAStrategy(Strategy):
                        key=lambda v: v[0])  # by partition
         failed = sum(error is not None for _, _, error in clients)
         info.update(replies=len(valid), failed=failed, rejected=len(clients) - failed - len(valid), bytes_up=0,
+                    refused=sum(error is not None and REFUSED in (error.reason or "") for _, _, error in clients),
                     train_loss=float("nan"))
         if len(valid) < info["needed"]:
             self.save()  # the failed release stays counted
@@ -441,7 +449,9 @@ class FedLoRAStrategy(Strategy):
                             shapes={name: shapes[name] for name in sorted(shapes)}, threshold=info["needed"],
                             half_range=codec.half_range, timeout=timeout, group_id=str(info["release"]),
                             progress=lambda *counts: self.progress(server_round, *counts))
+        refused = 0
         for node, why in result.failed.items():
+            refused += REFUSED in ((why.reason or "") if isinstance(why, Error) else str(why))
             if isinstance(why, Error):
                 if self.simulated and why.code == ErrorCode.UNKNOWN:  # the engine lost the client's worker
                     self.status, self.reason = RESTART, "a simulation worker died"
@@ -449,7 +459,8 @@ class FedLoRAStrategy(Strategy):
             log(WARNING, "Round %s: the client of partition %s left SecAgg+: %s", server_round,
                 partition_of.get(node), why)
             info.setdefault("first_failure", f"the client of partition {partition_of.get(node)} left SecAgg+: {why}")
-        info.update(replies=len(result.summed), failed=len(result.failed), rejected=0, train_loss=float("nan"),
+        info.update(replies=len(result.summed), failed=len(result.failed), refused=refused, rejected=0,
+                    train_loss=float("nan"),
                     bytes_up=float(np.mean(list(result.bytes_up.values()))) if result.bytes_up else 0.0,
                     bytes_down=info["bytes_down"] + float(np.mean(list(result.bytes_down.values()))))
         if result.total is None:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from fedlora.checkpoint import ENDED, FINISHED, RUNNING, STATE_FILE, Checkpoint
+from fedlora.checkpoint import BUDGET_SPENT, ENDED, FINISHED, RUNNING, STATE_FILE, Checkpoint
 from fedlora.cli import main
 from fedlora.config import DEPLOY_PRESET, RunConfig
 from fedlora.credentials import make_credentials
@@ -131,24 +131,9 @@ def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finis
     from the checkpoint, every release counted once (a cut release under OS noise stays counted and is never
     replayed), the secret never on the server side; a node's secret reconstructs the adapter afterwards."""
     out = tmp_path / "run"
-    settings = {**{k: v for k, v in FAST.items() if DEPLOY_PRESET.get(k) != v}, "threat-model": "'secret-sketch'",
-                "noise-multiplier": 2.3, "target-epsilon": 0}  # no budget: the cut release must not end the run
-    launcher = subprocess.Popen([str(Path(sys.executable).parent / "fedlora"), "deploy", "--out", str(out),
-                                 *[f"--set={k}={v}" for k, v in settings.items()]],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.time() + 300
-        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
-            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
-            time.sleep(0.2)
-        superlink = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
-                         if "flower-superlink" in " ".join(p.cmdline()))
-        for member in [superlink, *superlink.children(recursive=True)]:
-            member.kill()
-        _, err = launcher.communicate(timeout=180)
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 1 and f"fedlora deploy --resume {out}" in err
+    settings = {"threat-model": "'secret-sketch'", "noise-multiplier": 2.3,
+                "target-epsilon": 0}  # no budget: the cut release must not end the run
+    _deploy_and_kill_the_superlink_after_round_one(out, settings)
     cut = Checkpoint.load(out)
     assert cut.status == RUNNING and cut.rounds_done == 1
     assert main(["deploy", "--resume", str(out)]) == 0
@@ -164,6 +149,60 @@ def test_a_deployment_whose_superlink_and_serverapp_are_killed_resumes_and_finis
     assert not (out / "adapter").exists()  # the server cannot de-sketch: it never had the secret
     accuracy = reconstruct(out, out / "credentials" / "supernode-1" / "sketch-secret", echo=lambda line: None)["accuracy"]
     assert 0 <= accuracy <= 1 and (out / "adapter" / "adapter_config.json").exists()
+    assert not leftover_flower_processes()
+
+
+def _deploy_and_kill_the_superlink_after_round_one(out: Path, settings: dict, *flags: str) -> None:
+    """`fedlora deploy` (FAST, with ``settings``) in its own process; kill -9 of its SuperLink and everything under it
+    (the ServerApp) once round 1's metrics are written; the launcher must then exit 1 naming `deploy --resume`."""
+    settings = {**{k: v for k, v in FAST.items() if DEPLOY_PRESET.get(k) != v}, **settings}
+    launcher = subprocess.Popen([str(Path(sys.executable).parent / "fedlora"), "deploy", "--out", str(out), *flags,
+                                 *[f"--set={k}={v}" for k, v in settings.items()]],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
+            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+            time.sleep(0.2)
+        superlink = next(p for p in psutil.Process(launcher.pid).children(recursive=True)
+                         if "flower-superlink" in " ".join(p.cmdline()))
+        for member in [superlink, *superlink.children(recursive=True)]:
+            member.kill()
+        _, err = launcher.communicate(timeout=180)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1 and f"fedlora deploy --resume {out}" in err, err
+
+
+def test_a_resumed_deployment_continues_each_nodes_ledger_and_a_node_refuses_past_its_budget(tmp_path, capsys):
+    """Node budgets across `fedlora deploy --resume`: each SuperNode's ledger (one file for every run it serves)
+    goes on after the SuperLink is killed, counting every reply it made once, the cut round's included; its budget
+    holds two replies, so in the resumed run the third is refused by every node and the run stops in one line."""
+    from tests.test_node_budget import _gaussian_epsilon
+
+    out, noise = tmp_path / "run", 4.0
+    two = _gaussian_epsilon(math.sqrt(2) * 2 / noise, 1e-5)  # replace-one: sensitivity 2 tau, noise z tau a reply
+    _deploy_and_kill_the_superlink_after_round_one(out, {"num-rounds": 3, "noise-multiplier": noise,
+                                                         "target-epsilon": 0}, "--insecure",
+                                                   f"--node-budget={two * 1.01!r}")
+    before = [[r["round"] for r in NodeBudget(node_ledger(out, i)).records()] for i in range(2)]
+    assert all(rounds[0] == 1 and len(rounds) <= 2 for rounds in before), before  # round 2 may have been cut
+    assert main(["deploy", "--resume", str(out)]) == 0
+    printed = capsys.readouterr().out
+    saved, rows = Checkpoint.load(out), [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    for i in range(2):
+        ledger = NodeBudget(node_ledger(out, i), two * 1.01)
+        records = ledger.records()
+        assert [r["round"] for r in records] == [1, 2], records  # round 1 once; round 2 once, cut or not
+        assert all(r["release"] == [{"type": "GaussianRelease", "noise_multiplier": noise, "shares": 1}]
+                   for r in records)
+        assert ledger.spent() == pytest.approx(two, rel=1e-6) and ledger.spent() <= two * 1.01
+    # the run stops at the first round no node would reply to: round 3, or round 2 again where its cut replies spent it
+    assert [r["round"] for r in rows] in ([1, 2], [1]), rows
+    assert saved.status == BUDGET_SPENT and saved.reason.startswith("the nodes' own privacy budgets are spent: round")
+    assert "got 0 valid replies" in saved.reason and "Refused by this node's privacy budget" in saved.reason
+    assert f"stopped after round {len(rows)}: {saved.reason}" in printed and "the nodes' own ledgers: epsilon" in printed
+    assert (out / "adapter" / "adapter_config.json").exists()  # what the budgets allowed is kept
     assert not leftover_flower_processes()
 
 

@@ -10,6 +10,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from fedlora.algorithms import ALGORITHMS, PRIVATE_ALGORITHMS
+from fedlora.checkpoint import BUDGET_SPENT, Checkpoint
 from fedlora.clients.app import app as client_app
 from fedlora.config import RunConfig, run_config_of
 from fedlora.run_keys import SIMULATION_KEY
@@ -761,7 +762,10 @@ def test_nodes_with_a_privacy_budget_refuse_the_round_that_would_pass_it(tmp_pat
     from tests.test_node_budget import _gaussian_epsilon
     two = _gaussian_epsilon(np.sqrt(2) * 2 / 4.0, 1e-5)
     stopped = with_ledgers(two * 1.01, **{"out-dir": str(tmp_path / "run")})
-    assert stopped.startswith("round 3 got 0 valid replies") and "Refused by this node's privacy budget" in stopped
+    # every sampled node refused: a resume would meet the same refusals, so the run ends (not stalls)
+    assert stopped.startswith("the nodes' own privacy budgets are spent: round 3 got 0 valid replies")
+    assert "Refused by this node's privacy budget" in stopped
+    assert Checkpoint.load(tmp_path / "run").status == BUDGET_SPENT
     for node in range(1, 6):
         records = [json.loads(line) for line in (tmp_path / f"node{node}.jsonl").read_text().splitlines()]
         assert [(r["round"], r["release"]) for r in records] == [

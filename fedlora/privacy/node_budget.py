@@ -34,6 +34,9 @@ _log = logging.getLogger(__name__)  # the node's own log (a SuperNode's output),
 EVERY_TIME = SamplingScheme(Sampling.FIXED, num_clients=1, clients_per_round=1)  # the node knows its every reply
 
 
+REFUSED = "Refused by this node's privacy budget"  # how the server tells a refusal from a failure in an error reply
+
+
 class BudgetRefused(ValueError):
     """A reply the node's budget does not allow; nothing was recorded."""
 
@@ -120,7 +123,7 @@ class NodeBudget:
         """What the server is told (the reason; not what the ledger holds, which spans the node's other federations),
         after the whole of it goes to the node's own log."""
         reason = ", past the budget" if after < math.inf else f" ({why})" if why else ""
-        told = f"Refused by this node's privacy budget against the server: this reply would carry " \
+        told = f"{REFUSED} against the server: this reply would carry " \
                f"{describe_release(release)}{reason}."
         _log.warning("%s The ledger %s: %d replies spent epsilon %.3f at delta %g; this one would bring it to %.3f, "
                      "past the budget %g.", told, self.path, len(records), self.spent(records), self.delta, after,
