@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 import psutil
-from flwr.app import Context, Message, MetricRecord, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS
@@ -33,8 +33,8 @@ def _startup_seconds() -> float:
 
 @app.query()
 def identify(msg: Message, context: Context) -> Message:
-    """Which partition this node holds (the server samples partitions, so a seed fixes a seeded run) and, when the
-    nodes hold the sketch secret, its fingerprint; or, asked to warm up (a simulation's ServerApp asks first thing),
+    """Which partition this node holds (the server samples partitions, so a seed fixes a seeded run), when the
+    nodes hold the sketch secret its fingerprint, and with a data-dir what stops the node's own data being read; or, asked to warm up (a simulation's ServerApp asks first thing),
     nothing once the round's work is loaded."""
     if "config" in msg.content.config_records and msg.content["config"].get(WARM_UP):
         if not context.run_config.get(SIMULATION_KEY, False):  # a device trains its own data: nothing to warm
@@ -51,7 +51,12 @@ def identify(msg: Message, context: Context) -> Message:
     metrics = {"partition-id": node.partition_id}
     if run_config_of(context.run_config).sketch_secret == "node-file":  # the server checks all nodes share it
         metrics["secret-fingerprint"] = secret_fingerprint(node.sketch_secret_file) if node.sketch_secret_file else -1
-    return Message(RecordDict({"metrics": MetricRecord(metrics)}), reply_to=msg)
+    records = {"metrics": MetricRecord(metrics)}
+    if node.data_dir:  # a device's own data is read now, before round 1: a bad file stops the run in one line
+        from fedlora.clients import rounds
+
+        records["node"] = ConfigRecord({"data-problem": rounds.own_data_problem(context, node)})
+    return Message(RecordDict(records), reply_to=msg)
 
 
 @app.train()

@@ -56,6 +56,16 @@ def _local_data(config: RunConfig, node: NodeSettings):
     return data
 
 
+def own_data_problem(context: Context, node: NodeSettings) -> str:
+    """Why the node's own data (data-dir) cannot be trained on, in one line ("" if it can): read as a round reads
+    it, so the first round finds it decoded."""
+    try:
+        _local_data(run_config_of(context.run_config), node)
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
 def warm_up(context: Context) -> None:
     """Everything a simulation's worker loads once, before its first round: the model of every client rank, and the
     run's data with one partition decoded (what every partition shares is read, split and cached on the way)."""

@@ -247,6 +247,12 @@ class FedLoRAStrategy(Strategy):
                 if not unanswered:
                     break
             self.nodes = {int(r.content["metrics"]["partition-id"]): r.metadata.src_node_id for r in replies}
+            if problems := sorted((int(r.content["metrics"]["partition-id"]), r.content["node"]["data-problem"])
+                                  for r in replies if "node" in r.content.config_records
+                                  and r.content["node"].get("data-problem")):
+                raise RuntimeError(f"The node of partition {problems[0][0]} cannot train on its own data: "
+                                   f"{problems[0][1]}" + (f" ({len(problems) - 1} other node(s) cannot either)"
+                                                          if len(problems) > 1 else ""))
             if sorted(self.nodes) != list(range(self.num_nodes)):
                 raise RuntimeError(f"Nodes must hold partition ids 0..{self.num_nodes - 1} once each; they reported "
                                    f"{sorted(self.nodes)[:10]}, {len(unanswered)} did not answer in "

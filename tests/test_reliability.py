@@ -566,6 +566,27 @@ def test_a_packed_message_that_fails_loses_each_of_its_clients(tmp_path):
     assert "injected" in rows[0]["first_failure"] and _failures([{**rows[0], "failed": 0}], tmp_path) is None
 
 
+def test_a_nodes_own_data_that_does_not_decode_stops_the_run_before_round_one(tmp_path):
+    """A device's data-dir is read when the server first asks the nodes who they are: an image that does not decode
+    (a text file named .png) stops the run there, in one line naming the node and the file; no round is trained."""
+    from PIL import Image
+
+    own = tmp_path / "own" / "0"
+    own.mkdir(parents=True)
+    for i in range(3):
+        Image.new("RGB", (8, 8), (i, 0, 0)).save(own / f"{i}.png")
+    (own / "bad.png").write_text("not an image")
+    config = {**SMALL, "out-dir": str(tmp_path / "run")}
+    grid = InProcessGrid(client_app, 5, config)
+    grid.contexts[grid.node_ids[2]].node_config["data-dir"] = str(tmp_path / "own")
+    with pytest.raises(RuntimeError) as stopped:
+        run_federation(grid, Context(run_id=1, node_id=0, node_config={}, state=RecordDict(), run_config=config),
+                       echo=lambda line: None)
+    assert str(stopped.value).startswith("The node of partition 2 cannot train on its own data: data-dir ")
+    assert "the first 0/bad.png" in str(stopped.value) and "\n" not in str(stopped.value)
+    assert grid.calls == []  # no training message was sent
+
+
 def test_a_failed_client_is_told_by_the_error_it_raised_last():
     """Under Ray a reply's reason is the actor's traceback, the client's errors inside it; fedlora's own, raised
     from a library's, comes last, and Ray's wrapper says nothing."""
