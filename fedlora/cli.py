@@ -601,15 +601,22 @@ def _done(rows: list[dict], out_dir, config) -> None:
 
 
 def _failures(rows: list[dict], out_dir) -> str | None:
-    """The run's clients that failed or whose replies were rejected, in one line: how many, in how many rounds, and
-    the first reason (their tracebacks are in flower.log); None if every reply counted."""
-    hit = [r for r in rows if r.get("failed") or r.get("rejected")]
+    """The sampled clients whose replies were not aggregated (they failed, were rejected, or did not come back within
+    reply-timeout), in one line: how many, in how many rounds, and the first reason (tracebacks are in flower.log);
+    None if every reply counted."""
+    def lost(row: dict) -> int:
+        return max(row.get("sampled", 0) - row.get("replies", 0), row.get("failed", 0) + row.get("rejected", 0))
+    hit = [r for r in rows if lost(r)]
     if not hit:
         return None
-    replies = sum(r.get("failed", 0) + r.get("rejected", 0) for r in hit)
+    total, failed, rejected = (sum(f(r) for r in hit) for f in (lost, lambda r: r.get("failed", 0),
+                                                                  lambda r: r.get("rejected", 0)))
+    kinds = ", ".join(f"{n} {kind}" for n, kind in ((failed, "failed"), (rejected, "rejected"),
+                                                    (total - failed - rejected, "past reply-timeout")) if n)
     first = next((r for r in hit if r.get("first_failure")), hit[0])
-    return (f"clients failed: {replies} repl{'ies' if replies > 1 else 'y'} not aggregated in {len(hit)} of "
-            f"{len(rows)} rounds; the first, round {first['round']}: {first.get('first_failure') or 'no reason given'} "
+    return (f"clients failed: {total} repl{'ies' if total > 1 else 'y'} not aggregated in {len(hit)} of {len(rows)} "
+            f"rounds ({kinds}); the first, round {first['round']}: "
+            f"{first.get('first_failure') or 'no reply within reply-timeout'} "
             f"(tracebacks: {os.path.join(out_dir, 'flower.log')})")
 
 

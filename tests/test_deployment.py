@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fedlora.checkpoint import BUDGET_SPENT, ENDED, FINISHED, RUNNING, STATE_FILE, Checkpoint
-from fedlora.cli import main
+from fedlora.cli import _done, main
 from fedlora.config import DEPLOY_PRESET, RunConfig
 from fedlora.credentials import make_credentials
 from fedlora.experiment import reconstruct
@@ -46,9 +46,9 @@ def _kill_supernode_after_round_one(out_dir: Path, partition: int, num_nodes: in
     return thread
 
 
-def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_up(monkeypatch, tmp_path):
+def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_up(monkeypatch, tmp_path, capsys):
     """Also the levers in deployment: noise at the server (from the OS), updates with server momentum, adaptive
-    clipping with the clip bits of real SuperNodes."""
+    clipping with the clip bits of real SuperNodes; the run's last line counts the lost node's reply."""
     config = RunConfig.from_mapping({**FAST, "num-clients": 3, "clients-per-round": 3, "num-rounds": 2,
                                      "min-replies": 2, "reply-timeout": 70, "noise-placement": "server",
                                      "message": "update", "server-optimizer": "momentum", "clip-quantile": 0.5,
@@ -73,6 +73,10 @@ def test_an_insecure_deployment_goes_on_when_a_supernode_disconnects_and_cleans_
     fixed = rows[-1]["fixed_seconds"]  # the SuperLink's and SuperNodes' start counts before round 1
     assert fixed["before first round"] > fixed["nodes"] >= 0 and lines[-1].startswith("outside the rounds: ")
     assert (tmp_path / "adapter" / "adapter_config.json").exists()
+    _done(rows, tmp_path, config)  # what `fedlora deploy` prints last
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("clients failed: 1 reply not aggregated in 1 of 2 rounds (") and ", the first, round 2: " \
+        not in last and "; the first, round 2: " in last and str(tmp_path / "flower.log") in last, last
     assert not leftover_flower_processes()
 
 

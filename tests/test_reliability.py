@@ -561,9 +561,13 @@ def test_a_packed_message_that_fails_loses_each_of_its_clients(tmp_path):
     assert strategy.ledger.rounds == 1
     from fedlora.cli import _failures  # the run's last line says so
 
-    assert _failures(rows, tmp_path) == (f"clients failed: 2 replies not aggregated in 1 of 1 rounds; the first, round "
-                                         f"1: {rows[0]['first_failure']} (tracebacks: {tmp_path / 'flower.log'})")
-    assert "injected" in rows[0]["first_failure"] and _failures([{**rows[0], "failed": 0}], tmp_path) is None
+    assert _failures(rows, tmp_path) == (f"clients failed: 2 replies not aggregated in 1 of 1 rounds (2 failed); the "
+                                         f"first, round 1: {rows[0]['first_failure']} (tracebacks: "
+                                         f"{tmp_path / 'flower.log'})")
+    assert "injected" in rows[0]["first_failure"] and _failures([{**rows[0], "failed": 0, "replies": 3}], tmp_path) is None
+    silent = _failures([{**rows[0], "failed": 0, "first_failure": None}], tmp_path)  # a node that never answered
+    assert silent.startswith("clients failed: 2 replies not aggregated in 1 of 1 rounds (2 past reply-timeout); the "
+                             "first, round 1: no reply within reply-timeout")
 
 
 def test_a_nodes_own_data_that_does_not_decode_stops_the_run_before_round_one(tmp_path):

@@ -215,6 +215,47 @@ def test_a_dying_ray_worker_does_not_stop_the_run(tmp_path):
     assert not leftover_flower_processes()
 
 
+FAILING_APP = """
+from flwr.clientapp import ClientApp
+
+from fedlora.clients.app import identify as _identify, train as _train
+
+app = ClientApp()
+
+
+@app.query()
+def identify(msg, context):
+    return _identify(msg, context)
+
+
+@app.train()
+def train(msg, context):
+    if int(msg.content["config"]["partition"]) == 1:  # the client a bad file or a full disk would stop
+        raise RuntimeError("the planted failure of partition 1")
+    return _train(msg, context)
+"""
+
+
+def test_a_run_whose_client_fails_says_so_in_its_last_line(tmp_path, capsys):
+    """A client that fails every round does not end the run (the others carry it), and the run's last line says how
+    many replies were lost, in how many rounds, and the first error; its traceback is in flower.log."""
+    from fedlora.cli import _done
+
+    out = tmp_path / "run"
+    (out / "flower-app").mkdir(parents=True)
+    (out / "flower-app" / "failing.py").write_text(FAILING_APP)
+    config = RunConfig.from_mapping(dict(s.split("=") for s in [*TINY, "clients-per-round=3", "num-rounds=2", "strategy=ffa-lora"]))
+    rows = run_simulation(config, out, echo=lambda line: None, client_app="failing:app")
+    assert [(r["replies"], r["failed"]) for r in rows] == [(2, 1), (2, 1)]
+    _done(rows, out, config)  # what `fedlora run` prints last
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (f"clients failed: 2 replies not aggregated in 2 of 2 rounds (2 failed); the first, round 1: the "
+                    f"client of partition 1 failed: RuntimeError: the planted failure of partition 1 (tracebacks: "
+                    f"{out / 'flower.log'})"), last
+    assert "the planted failure of partition 1" in (out / "flower.log").read_text()
+    assert not leftover_flower_processes()
+
+
 def test_the_fixed_cost_is_this_launch_s(tmp_path):
     """A resumed run's rows begin with its earlier launch's: the fixed cost counts from the first round this launch
     ran, with its ServerApp's parts."""
