@@ -9,6 +9,7 @@ trains them (client-batch at a time) and replies with one release per client.
 
 from __future__ import annotations
 
+import os
 import time
 
 import psutil
@@ -65,7 +66,30 @@ def train(msg: Message, context: Context) -> Message:
         return secaggplus_mod(msg, context, _secure_train)
     from fedlora.clients import rounds
 
-    return rounds.train_round(msg, context, _startup_seconds())
+    reply = rounds.train_round(msg, context, _startup_seconds())
+    return _garbled(reply) if os.environ.get(GARBAGE_ENV) == _partition(msg, context) else reply
+
+
+GARBAGE_ENV = "FEDLORA_REPLY_GARBAGE"  # benchmarks/chaos.py: the partition whose node replies NaN (faults on purpose)
+
+
+def _partition(msg: Message, context: Context) -> str:
+    """The partition a one-client message trains: the one the server assigns (simulation), else the node's own."""
+    config = msg.content["config"]
+    return str(config["partition"] if "partition" in config else context.node_config.get("partition-id"))
+
+
+def _garbled(reply: Message) -> Message:
+    """A reply whose every released array is NaN, as a broken or hostile device might send: the server must reject
+    it and aggregate the others (the node's ledger still counts the release it made)."""
+    import numpy as np
+    from flwr.app import Array, ArrayRecord
+
+    for name, record in list(reply.content.array_records.items()):
+        if name.split("/")[0] == "arrays":
+            reply.content[name] = ArrayRecord({key: Array(np.full(array.shape, np.nan, dtype=np.float32))
+                                               for key, array in record.items()})
+    return reply
 
 
 def _secure_train(msg: Message, context: Context) -> Message:

@@ -229,7 +229,7 @@ def _budget_guard(msg: Message, protocol: ClientSide, node: NodeSettings) -> Cal
     def spend(message: dict, mechanism: Mechanism) -> dict:
         budget.spend(protocol.release_to_server(message, mechanism),
                      why_unprotected=protocol.unprotected_to_server(mechanism), run=msg.metadata.run_id,
-                     round=int(round_config["server-round"]), release=int(round_config["release"]))
+                     round=int(round_config["server-round"]), release_id=int(round_config["release"]))
         return message
 
     return spend

@@ -768,9 +768,9 @@ def test_nodes_with_a_privacy_budget_refuse_the_round_that_would_pass_it(tmp_pat
     assert Checkpoint.load(tmp_path / "run").status == BUDGET_SPENT
     for node in range(1, 6):
         records = [json.loads(line) for line in (tmp_path / f"node{node}.jsonl").read_text().splitlines()]
-        assert [(r["round"], r["release"]) for r in records] == [
-            (1, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}]),
-            (2, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}])]
+        assert [(r["round"], r["release_id"], r["release"]) for r in records] == [  # release_id: the server's count
+            (1, 1, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}]),
+            (2, 2, [{"type": "GaussianRelease", "noise_multiplier": 4.0, "shares": 1}])]
     seeded = with_ledgers(100.0, **{"noise-source": "seeded"}, **{"out-dir": str(tmp_path / "seeded")})
     assert "drawn from the run seed" in seeded
     assert all(len((tmp_path / f"node{node}.jsonl").read_text().splitlines()) == 2 for node in range(1, 6))

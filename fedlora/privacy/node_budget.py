@@ -88,6 +88,8 @@ class NodeBudget:
             with os.fdopen(fd, "r+") as f:
                 fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes
                 records = self._parse(f.read())
+                if "release" in label:  # the key of what the reply releases
+                    raise ValueError("A ledger record's label cannot be named 'release': use release_id.")
                 record = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **label,
                           "release": [release_to_dict(r) for r in reply]}
                 after = self._check(reply, records, record, why_unprotected)
