@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
+import psutil
 import torch
 
 from fedlora.checkpoint import BUDGET_SPENT, FINISHED, Checkpoint
@@ -238,7 +239,9 @@ class RunRecorder:
         row = {"round": round_, "phase": self.protocol.phase(round_), "accuracy": math.nan, "loss": math.nan,
                **metrics, **accounted,
                "eval_seconds": time.time() - evaluating if state is not None else 0.0,
+               # the peak since the process began (it only rises), and what the process holds now
                "server_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+               "server_rss_mib": psutil.Process().memory_info().rss / 2**20,
                "time": time.time()}
         row = {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in row.items()}  # null, not NaN
         self.rows.append(row)

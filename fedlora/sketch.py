@@ -95,6 +95,7 @@ _SKETCH_CACHE_BYTES = 256 * 2 ** 20
 _sketches: OrderedDict[tuple, Tensor] = OrderedDict()  # least recently used first
 _sketches_bytes = 0  # their total, kept as they come and go: summing at every draw is quadratic in their number
 _sketches_lock = threading.Lock()
+_newest_round: dict[int, int] = {}  # per sketch seed, the latest round drawn
 
 
 def gaussian_matrix(
@@ -103,11 +104,16 @@ def gaussian_matrix(
 ) -> Tensor:
     """The sketch of entry ``name`` in the round ``key``: the same on every client and device. Drawing it costs most
     of a client's privatization (ViT-B/16: 26 of 33 ms), and every client of a round draws the same ones, as does
-    the server: the last 256 MiB of them drawn are kept in the process, and handed out as they are (float32, on the
-    CPU) rather than copied, a copy costing about as much as the product it serves: read-only to the caller."""
+    the server: those of the latest two rounds of a seed drawn (the server reconstructs a round while the next one
+    trains), at most 256 MiB, are kept in the process, and handed out as they are (float32, on the CPU) rather
+    than copied, a copy costing about as much as the product it serves: read-only to the caller."""
     global _sketches_bytes
     parts = ("sketch", key.seed, key.round, name, side.value, block)
     with _sketches_lock:
+        if key.round > _newest_round.get(key.seed, -1):  # an older round's are never drawn again: a long run kept
+            _newest_round[key.seed] = key.round         # 256 MiB of them in every process (the soak found it)
+            for old in [k for k in _sketches if k[3][1] == key.seed and k[3][2] < key.round - 1]:
+                _sketches_bytes -= _sketches.pop(old).nbytes
         matrix = _sketches.get(cache_key := (rows, cols, std, parts))
         if matrix is not None:
             _sketches.move_to_end(cache_key)

@@ -84,6 +84,7 @@ def test_a_round_s_sketches_are_drawn_once_per_process_and_shared(monkeypatch):
     monkeypatch.setattr(sketch_module, "seeded_normal", lambda *a, **kw: drawn.append(a) or original(*a, **kw))
     monkeypatch.setattr(sketch_module, "_sketches", type(sketch_module._sketches)())
     monkeypatch.setattr(sketch_module, "_sketches_bytes", 0)
+    monkeypatch.setattr(sketch_module, "_newest_round", {})
     key = SketchKey(7, 1)
     first = gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
     assert gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT).data_ptr() == first.data_ptr()
@@ -91,12 +92,25 @@ def test_a_round_s_sketches_are_drawn_once_per_process_and_shared(monkeypatch):
     assert len(drawn) == 1 and again.dtype == torch.float64
     assert torch.equal(again.float(), original(4, 6, std=0.5, seed_parts=("sketch", 7, 1, "l.lora_B", Side.LEFT.value, 0)))
     monkeypatch.setattr(sketch_module, "_SKETCH_CACHE_BYTES", 3 * 4 * 6 * 4)  # room for three
-    for round_ in range(2, 7):
-        gaussian_matrix(4, 6, std=0.5, key=SketchKey(7, round_), name="l.lora_B", side=Side.LEFT)
+    for layer in range(5):  # a round's, more than fit
+        gaussian_matrix(4, 6, std=0.5, key=SketchKey(7, 2), name=f"l{layer}.lora_B", side=Side.LEFT)
     assert len(sketch_module._sketches) == 3  # the least recently used went first
     assert sketch_module._sketches_bytes == sum(m.nbytes for m in sketch_module._sketches.values())
     gaussian_matrix(4, 6, std=0.5, key=key, name="l.lora_B", side=Side.LEFT)
     assert len(drawn) == 7
+
+
+def test_a_long_run_keeps_the_sketches_of_its_latest_two_rounds_only(monkeypatch):
+    monkeypatch.setattr(sketch_module, "_sketches", type(sketch_module._sketches)())
+    monkeypatch.setattr(sketch_module, "_sketches_bytes", 0)
+    monkeypatch.setattr(sketch_module, "_newest_round", {})
+    for round_ in range(1, 51):
+        for name in ("a.lora_B", "b.lora_B"):
+            gaussian_matrix(4, 6, std=0.5, key=SketchKey(7, round_), name=name, side=Side.LEFT)
+        gaussian_matrix(4, 6, std=0.5, key=SketchKey(8, 1), name="a.lora_B", side=Side.LEFT)  # another run's
+    kept = sorted({key[3][1:3] for key in sketch_module._sketches})
+    assert kept == [(7, 49), (7, 50), (8, 1)] and len(sketch_module._sketches) == 5
+    assert sketch_module._sketches_bytes == sum(m.nbytes for m in sketch_module._sketches.values())
 
 
 def test_sketch_follows_the_tensor_dtype_and_device():
