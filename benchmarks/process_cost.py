@@ -33,6 +33,8 @@ ROLES = (
     ("Ray daemons", r"gcs_server|raylet|ray::|ray/dashboard|log_monitor|monitor\.py|ray_client_server|runtime_env"),
     ("SuperLink", r"flower-superlink"),
     ("ServerApp", r"flwr-serverapp"),
+    ("SuperNode", r"flower-supernode"),
+    ("ClientApp", r"flwr-clientapp"),
     ("simulation (Ray driver)", r"flwr-simulation"),
     ("SuperExec", r"flower-superexec"),
     ("flwr run", r"flwr run"),

@@ -3,7 +3,8 @@
 SuperLink, the ServerApp, SuperNodes and their ClientApp processes), with the resident memory (RSS) of every
 process of the launch sampled from outside four times a second and the run directory's size beside it.
 
-Per round and role (the server, the clients, the SuperNodes, the SuperLink, Ray's own processes, the launcher) it
+Per round and role (benchmarks.process_cost's: the ServerApp, or the simulation's Ray driver that runs it; Ray's
+workers or the ClientApps; the SuperNodes, the SuperLink, Ray's daemons, the launcher) it
 keeps the least RSS seen between the round's end and the next's (what the processes hold across rounds, not what
 a round allocates and frees) and the most. After the warm-up (the first fifth of the rounds) it fits a line to the
 least: the slope in MiB a round with its 95% interval. A role grows when the interval's lower end passes the
@@ -35,16 +36,13 @@ import numpy as np
 import psutil
 
 from benchmarks.common import RESULTS, command_line, machine, provenance, revision, save_figure
+from benchmarks.process_cost import _tree, role_of
 
 NAME = "soak"
 MODES = ("simulation", "deployment")
-# a process's role, by the first of these its command line holds
-ROLES = {"server": ("flwr-simulation", "flwr-serverapp"), "clients": ("ray::ClientAppActor", "flwr-clientapp"),
-         "supernodes": ("flower-supernode",), "superlink": ("flower-superlink", "flower-superexec"),
-         "ray": ("ray::", "/ray/"), "launcher": ("",)}
 SMALL = {"num-clients": 6, "clients-per-round": 3, "local-steps": 1, "train-examples": 240, "test-examples": 60,
          "noise-placement": "'client'", "message": "'adapter'", "target-epsilon": 0, "noise-multiplier": 1.0}
-DEPLOY_NODES = 3
+DEPLOY_NODES = 2
 SAMPLE_SECONDS = 0.25
 WARM_UP = 0.2  # the fraction of the rounds left out of the fit
 TOLERANCE_MIB = 0.05  # a round: 20 MiB over the paper preset's 400 rounds
@@ -73,10 +71,6 @@ class _Leak:
 
 sys.meta_path.insert(0, _Leak())
 '''
-
-
-def role(cmdline: str) -> str:
-    return next(name for name, marks in ROLES.items() if any(m in cmdline for m in marks))
 
 
 def dir_bytes(path: Path) -> int:
@@ -108,9 +102,9 @@ class Sampler(threading.Thread):
             done = rounds_done(self.out)
             with contextlib.suppress(psutil.NoSuchProcess):
                 rss: dict[str, list[float]] = {}
-                for process in [self.launcher, *self.launcher.children(recursive=True)]:
+                for process in _tree(self.launcher):
                     with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                        rss.setdefault(role(" ".join(process.cmdline())), []).append(
+                        rss.setdefault(role_of(process.cmdline()), []).append(
                             process.memory_info().rss / 2**20)
                 row = self.rounds.setdefault(done, {"least": {}, "most": {}, "processes": {}, "samples": 0})
                 row["samples"] += 1
@@ -164,8 +158,10 @@ def slope(x: np.ndarray, y: np.ndarray) -> dict:
             "max_residual": float(np.abs(residual).max()), "rounds": len(x)}
 
 
-def analyse(rounds: dict[int, dict], total: int, tolerance: float = TOLERANCE_MIB) -> dict:
-    """Each role's growth after the warm-up (MiB a round) and verdict, and the run directory's (bytes a round)."""
+def analyse(rounds: dict[int, dict], total: int, tolerance: float = TOLERANCE_MIB, by_most: tuple[str, ...] = ()) -> dict:
+    """Each role's growth after the warm-up (MiB a round) and verdict, and the run directory's (bytes a round).
+    Roles in ``by_most`` are fitted on their most a round (a deployment's ClientApp processes live for one message:
+    their least is whichever had just started)."""
     done = sorted(r for r in rounds if 1 <= r < total)  # after the last round the launch ends its processes
     after = [r for r in done if r > total * WARM_UP]
     out = {"roles": {}, "tolerance_mib": tolerance, "warm_up_rounds": int(total * WARM_UP)}
@@ -174,14 +170,14 @@ def analyse(rounds: dict[int, dict], total: int, tolerance: float = TOLERANCE_MI
     names = dict.fromkeys(name for r in after for name in rounds[r]["least"])
     for name in names:
         xs = np.array([r for r in after if name in rounds[r]["least"]], dtype=float)
-        ys = np.array([rounds[int(r)]["least"][name] for r in xs])
+        ys = np.array([rounds[int(r)]["most" if name in by_most else "least"][name] for r in xs])
         if len(xs) < 5:
             continue
         fit = slope(xs, ys)
         out["roles"][name] = {**fit, "first": float(ys[0]), "last": float(ys[-1]),
                               "most": float(max(rounds[int(r)]["most"][name] for r in xs)),
                               "processes": max(rounds[int(r)]["processes"][name] for r in xs),
-                              "grows": fit["low"] > tolerance}
+                              "fitted": "most" if name in by_most else "least", "grows": fit["low"] > tolerance}
     xs = np.array(after, dtype=float)
     out["dir"] = {**slope(xs, np.array([rounds[r]["dir_bytes"] for r in after], dtype=float)),
                   "bytes": rounds[after[-1]]["dir_bytes"]}
@@ -198,11 +194,12 @@ def verdict(analysis: dict) -> str:
 
 
 def write_results(results: dict, command: str) -> None:
-    lines = [f"# Memory over {results['rounds']} rounds: RSS by role and the run directory, per round", "",
+    lines = ["# Memory over long runs: RSS by role and the run directory, round by round", "",
              "Small model and cohort (the tiny ViT at 32 px, LoRA r = 4, noise at the client): simulation with "
              f"{SMALL['num-clients']} clients, {SMALL['clients-per-round']} a round, and a deployment of "
              f"{DEPLOY_NODES} SuperNodes, every node every round; evaluated every tenth of the run. RSS sampled from "
-             f"outside every {SAMPLE_SECONDS} s; per round the least seen between its end and the next's; a line "
+             f"outside every {SAMPLE_SECONDS} s; per round the least seen between its end and the next's (the "
+             "deployment's ClientApps, a process a message: the most); a line "
              f"fitted after the first {WARM_UP:.0%} of the rounds (the interval: least squares', rounds taken as "
              f"independent). A role grows when its interval's lower end passes {TOLERANCE_MIB} MiB a round.", ""]
     for mode, run in results["modes"].items():
@@ -213,7 +210,7 @@ def write_results(results: dict, command: str) -> None:
             continue
         lines += ["| role | processes | RSS after the warm-up, MiB | at the end | most seen | slope, MiB a round | "
                   "95% interval | largest residual, MiB |", "|---|---:|---:|---:|---:|---:|---|---:|"]
-        lines += [f"| {name} | {f['processes']} | {f['first']:.1f} | {f['last']:.1f} | {f['most']:.1f} | "
+        lines += [f"| {name}{' (most a round)' if f['fitted'] == 'most' else ''} | {f['processes']} | {f['first']:.1f} | {f['last']:.1f} | {f['most']:.1f} | "
                   f"{f['slope']:+.4f} | [{f['low']:+.4f}, {f['high']:+.4f}] | {f['max_residual']:.1f} |"
                   for name, f in a["roles"].items()]
         d = a["dir"]
@@ -235,11 +232,12 @@ def _plot(results: dict, command: str) -> None:
     modes = list(results["modes"].items())
     fig, axes = plt.subplots(1, len(modes) + 1, figsize=(5 * (len(modes) + 1), 4))
     for ax, (mode, run) in zip(axes, modes):
-        rounds = {int(r): v for r, v in run["samples"].items()}
-        for name in dict.fromkeys(n for v in rounds.values() for n in v["least"]):
-            xs = [r for r in sorted(rounds) if r >= 1 and name in rounds[r]["least"]]
-            ax.plot(xs, [rounds[r]["least"][name] for r in xs], label=name)
-        ax.set_title(f"{mode}: least RSS a round, by role")
+        rounds = {int(r): v for r, v in run["samples"].items() if 1 <= int(r) < run["rounds"]}  # not the end's
+        for name, fit in run["analysis"].get("roles", {}).items():
+            xs = [r for r in sorted(rounds) if name in rounds[r][fit["fitted"]]]
+            ax.plot(xs, [rounds[r][fit["fitted"]][name] for r in xs],
+                    label=name + (" (most)" if fit["fitted"] == "most" else ""))
+        ax.set_title(f"{mode}: RSS a round (least), by role")
         ax.set_xlabel("round")
         ax.set_ylabel("MiB")
         ax.legend(fontsize=7)
@@ -255,14 +253,15 @@ def _plot(results: dict, command: str) -> None:
 
 
 def soak(work: Path, *, modes: tuple[str, ...], rounds: int, config: str | None = None, sets: list[str] = (),
-         plant_leak: int = 0, tolerance: float = TOLERANCE_MIB, echo=print) -> dict:
+         plant_leak: int = 0, tolerance: float = TOLERANCE_MIB, deployment_rounds: int = 0, echo=print) -> dict:
     """Each mode's run under ``work`` (which must not exist), sampled and analysed."""
     work.mkdir(parents=True)
     out = {"rounds": rounds, "plant_leak_mib": plant_leak, "commit": revision(), "machine": machine(), "modes": {}}
     for mode in modes:
-        code, samples, seconds = launch(mode, work / mode, rounds, config, list(sets), plant_leak, echo)
-        analysis = analyse(samples, rounds, tolerance)
-        out["modes"][mode] = {"code": code, "seconds": seconds, "rounds_done": rounds_done(work / mode),
+        total = deployment_rounds if mode == "deployment" and deployment_rounds else rounds
+        code, samples, seconds = launch(mode, work / mode, total, config, list(sets), plant_leak, echo)
+        analysis = analyse(samples, total, tolerance, by_most=("ClientApp",))
+        out["modes"][mode] = {"code": code, "seconds": seconds, "rounds": total, "rounds_done": rounds_done(work / mode),
                               "analysis": analysis, "samples": {str(r): v for r, v in sorted(samples.items())}}
         echo(f"{mode}: exit {code}, {rounds_done(work / mode)} rounds in {seconds:.0f} s; {verdict(analysis)}")
     return out
@@ -271,6 +270,8 @@ def soak(work: Path, *, modes: tuple[str, ...], rounds: int, config: str | None 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--deployment-rounds", type=int, default=0,
+                        help="the deployment's rounds, where they differ (its ClientApp starts anew every message)")
     parser.add_argument("--modes", default=",".join(MODES), help="simulation, deployment or both")
     parser.add_argument("--config", help="a preset instead of the small federation (e.g. cifar100_private on a GPU)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
@@ -280,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="work here and write no committed results")
     args = parser.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if unknown := [m for m in modes if m not in MODES] or args.rounds < 10:
+    if unknown := [m for m in modes if m not in MODES] or min(args.rounds, args.deployment_rounds or 10) < 10:
         print(f"{NAME}: error: --modes takes {' or '.join(MODES)} and --rounds at least 10"
               + (f" (not {', '.join(unknown)})" if isinstance(unknown, list) and unknown else "") + ".",
               file=sys.stderr)
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{NAME}: error: {args.out} exists; give a new directory.", file=sys.stderr)
         return 2
     results = soak(work, modes=modes, rounds=args.rounds, config=args.config, sets=args.set,
-                   plant_leak=args.plant_leak, tolerance=args.tolerance)
+                   plant_leak=args.plant_leak, tolerance=args.tolerance, deployment_rounds=args.deployment_rounds)
     if args.out is None:
         write_results(results, command_line(f"benchmarks.{NAME}"))
     else:

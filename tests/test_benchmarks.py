@@ -407,6 +407,8 @@ def test_the_process_tree_meter_counts_every_process_it_started_and_names_their_
     assert cost.peak_pss_bytes > 0 and set(cost.peak_pss_by_role) <= {"other"}
     assert role_of(["python3", "/venv/bin/flwr-simulation", "--x"]) == "simulation (Ray driver)"
     assert role_of(["ray::ClientAppActor.run"]) == "Ray worker" and role_of(["ray::IDLE"]) == "Ray daemons"
+    assert role_of(["/venv/bin/flower-supernode", "--node-config", "partition-id=0"]) == "SuperNode"
+    assert role_of(["/venv/bin/flwr-clientapp", "--clientappio-api-address", "x"]) == "ClientApp"
     assert role_of(["python", "-m", "torch.distributed.run", "-m", "benchmarks.pfl_run"]) == "torchrun"
 
 
