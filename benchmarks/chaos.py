@@ -66,6 +66,7 @@ class Outcome:
     last_line: str = ""  # the last launch's last line (stdout, or its error line)
     checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or what failed
     seconds: float = 0.0
+    back: dict[str, bool] = field(default_factory=dict)  # "<kind> node <partition>" -> it replied in a later round
 
     @property
     def passed(self) -> bool:
@@ -304,6 +305,9 @@ def verify(out: Path, outcome: Outcome, node_budget: float, ledger_checks: list[
             problems.append(f"node {i} spent {ledger.spent(records):.3f} > {node_budget:g}")
         for release in releases:
             by_release[release] = by_release.get(release, 0) + 1
+        for fault in outcome.faults:  # a node hit by a fault: did it take part again (a round after the fault's)?
+            if fault.partition == i and fault.kind in ("kill", "stall") and fault.injected is not None:
+                outcome.back[f"{fault.kind} node {i}"] = any(r["round"] > fault.round for r in records)
     # a row's releases: the count so far, so the id of the release its round aggregated
     uncounted = [r["round"] for r in outcome.rows if r["replies"] > by_release.get(r["releases"], 0)]
     if uncounted:
@@ -340,15 +344,16 @@ def summary(outcome: Outcome) -> dict:
     the median of the rounds no fault touched)."""
     rows = outcome.rows
     hit = {f.round for f in outcome.faults if f.injected is not None and f.kind != "garbage"}
-    clean = [r["round_seconds"] for r in rows if r["round"] not in hit and r.get("round_seconds")]
+    clean = [r["seconds"] for r in rows if r["round"] not in hit and r.get("seconds")]
     typical = float(np.median(clean)) if clean else math.nan
-    lost_time = sum(max(0.0, r["round_seconds"] - typical) for r in rows if r["round"] in hit and r.get("round_seconds"))
+    lost_time = sum(max(0.0, r["seconds"] - typical) for r in rows if r["round"] in hit and r.get("seconds"))
     injected = [f for f in outcome.faults if f.injected is not None]
     return {"rounds completed": len(rows), "rounds planned": outcome.rounds, "launches": outcome.launches,
             "faults injected": len(injected), "faults survived": len(injected) if outcome.passed else None,
             "by kind": {k: sum(f.kind == k for f in injected) for k in KINDS},
             "replies lost": sum(r["sampled"] - r["replies"] for r in rows),
             "replies rejected": sum(r.get("rejected", 0) for r in rows),
+            "nodes back after their fault": f"{sum(outcome.back.values())} of {len(outcome.back)}",
             "median round without faults (s)": typical, "time lost to faults in rounds (s)": lost_time,
             "seconds": outcome.seconds}
 
@@ -365,7 +370,7 @@ def write_results(outcome: Outcome, command: str) -> None:
     (RESULTS / "chaos.json").write_text(json.dumps({"summary": facts, "outcome": {
         **{k: v for k, v in asdict(outcome).items() if k != "rows"},
         "rows": [{k: r.get(k) for k in ("round", "releases", "sampled", "replies", "failed", "rejected",
-                                        "round_seconds", "accuracy", "epsilon", "first_failure")}
+                                        "seconds", "accuracy", "epsilon", "first_failure")}
                  for r in outcome.rows]}}, indent=1) + "\n")
     lines = [*provenance("benchmarks.chaos"), "", f"`{command}` on {machine()}", "",
              f"{outcome.nodes} SuperNodes, {outcome.rounds} rounds, noise {outcome.placement}, seed {outcome.seed}: "
@@ -374,13 +379,15 @@ def write_results(outcome: Outcome, command: str) -> None:
              f"(rejected {facts['replies rejected']}), time lost to faults {facts['time lost to faults in rounds (s)']:.0f} s "
              f"in the rounds (median round without faults {facts['median round without faults (s)']:.1f} s); "
              f"{outcome.seconds / 60:.1f} min in all.", "",
-             "| fault | round | node | at (s) |", "|---|---|---|---|"]
+             "| fault | round | node | at (s) | the node replied again |", "|---|---|---|---|---|"]
     lines += [f"| {f.kind} | {f.round} | {'SuperLink' if f.partition is None else f.partition} | "
-              f"{'not reached' if f.injected is None else f'{f.injected:.0f}'} |" for f in outcome.faults]
+              f"{'not reached' if f.injected is None else f'{f.injected:.0f}'} | "
+              f"{ {True: 'yes', False: 'no', None: ''}[outcome.back.get(f'{f.kind} node {f.partition}')]} |"
+              for f in outcome.faults]
     lines += ["", "| check | result |", "|---|---|"] + [f"| {k} | {v} |" for k, v in outcome.checks.items()]
     lines += ["", "| round | sampled | replies | failed | rejected | seconds | accuracy |", "|---|---|---|---|---|---|---|"]
     lines += [f"| {r['round']} | {r['sampled']} | {r['replies']} | {r['failed']} | {r['rejected']} | "
-              f"{r.get('round_seconds', math.nan):.1f} | {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 3)} |"
+              f"{r.get('seconds') or math.nan:.1f} | {r['accuracy'] if r['accuracy'] is None else round(r['accuracy'], 3)} |"
               for r in outcome.rows]
     lines += ["", f"The last line: `{outcome.last_line}`", ""]
     (RESULTS / "chaos.md").write_text("\n".join(lines))
