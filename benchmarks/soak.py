@@ -296,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         write_results(results, results["command"])
         return 0
     modes = tuple(m.strip() for m in args.modes.split(","))
-    if unknown := [m for m in modes if m not in MODES] or min(args.rounds, args.deployment_rounds or 10) < 10:
-        print(f"{NAME}: error: --modes takes {' or '.join(MODES)} and --rounds at least 10"
-              + (f" (not {', '.join(unknown)})" if isinstance(unknown, list) and unknown else "") + ".",
-              file=sys.stderr)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or min(args.rounds, args.deployment_rounds or 10) < 10:
+        print(f"{NAME}: error: --modes takes {' or '.join(MODES)}" + (f" (not {', '.join(unknown)})" if unknown else "")
+              + " and --rounds and --deployment-rounds at least 10.", file=sys.stderr)
         return 2
     work = args.out or Path(tempfile.mkdtemp(prefix="soak-")) / "work"
     if args.out is not None and args.out.exists():
