@@ -1,9 +1,9 @@
 """Chaos for deployments: `fedlora deploy` on this machine's loopback (TLS, SuperNode authentication, node budgets,
 noise at the client or in SecAgg+ shares) while a seeded schedule kills SuperNodes mid-round (SIGKILL) and restarts
-them, stalls some past the reply timeout (SIGSTOP, then SIGCONT), kills the SuperLink and its ServerApp (the run
-goes on with `fedlora deploy --resume`), and has one node reply NaN throughout (GARBAGE_ENV names its partition to
-every node; under secure aggregation, whose shares the server cannot check, it replies honestly). It is bounded in
-time and in faults, stops by itself and leaves no process behind.
+them, stalls some until their round has ended without them (SIGSTOP, then SIGCONT), kills the SuperLink and its
+ServerApp (the run goes on with `fedlora deploy --resume`), and has one node reply NaN throughout (GARBAGE_ENV names
+its partition to every node; under secure aggregation, whose shares the server cannot check, it replies honestly). It
+is bounded in time and in faults, stops by itself and leaves no process behind.
 
 What must hold, checked after the run (and the run's ledger against its checkpoint after every launch): the run
 ends, or stops with one clear line; no round was aggregated from fewer replies than min-replies; every node's
@@ -66,7 +66,8 @@ class Outcome:
     last_line: str = ""  # the last launch's last line (stdout, or its error line)
     checks: dict[str, str] = field(default_factory=dict)  # name -> "ok" or what failed
     seconds: float = 0.0
-    back: dict[str, bool] = field(default_factory=dict)  # "<kind> node <partition>" -> it replied in a later round
+    # "<kind> node <partition>" -> it replied in a later round (faults of the last round have none to reply in)
+    back: dict[str, bool] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -95,13 +96,15 @@ class Chaos:
     what it killed, and leaves nothing running."""
 
     def __init__(self, out: Path, faults: list[Fault], *, nodes: int, settings: dict, node_budget: float,
-                 reply_timeout: float, max_launches: int = 4, deadline: float = 3600.0, echo=print):
+                 max_launches: int = 4, deadline: float = 3600.0, echo=print):
         self.out, self.faults, self.nodes, self.settings = out, faults, nodes, settings
-        self.node_budget, self.reply_timeout, self.max_launches = node_budget, reply_timeout, max_launches
+        self.node_budget, self.max_launches = node_budget, max_launches
         self.began, self.deadline, self.echo = time.time(), time.time() + deadline, echo
         # SuperNodes this harness restarted (the launcher does not own them): (process, how to start it again)
         self.own: list[tuple[subprocess.Popen, dict]] = []
-        self.stalled: list[tuple[float, list[psutil.Process]]] = []  # (when to continue, processes)
+        # (the round they were stopped in, processes): continued once that round has ended without them, so that
+        # the rounds after it show whether a stalled node comes back
+        self.stalled: list[tuple[int, list[psutil.Process]]] = []
         self.down: list[tuple[float, dict]] = []  # (when to start it, how: cmdline, env, cwd, garbage, tries)
         self.garbage = next(f.partition for f in faults if f.kind == "garbage")
         self.ledger_checks: list[str] = []
@@ -159,15 +162,15 @@ class Chaos:
                 self.own.append((subprocess.Popen(how["cmdline"], env=how["env"], cwd=how["cwd"], stdout=log,
                                                   stderr=subprocess.STDOUT, start_new_session=True), how))
 
-    def _continue_due(self, now: float, every: bool = False) -> None:
-        for entry in [s for s in self.stalled if every or s[0] <= now]:
+    def _continue_due(self, rounds_done: int, every: bool = False) -> None:
+        for entry in [s for s in self.stalled if every or s[0] <= rounds_done]:
             self.stalled.remove(entry)
             self._signal(entry[1], signal.SIGCONT)
 
     def _stop_own(self) -> None:
         """Ends the nodes this harness started (a new launch starts its own: two nodes of a partition would be
         refused) and any it still holds stopped or down."""
-        self._continue_due(0.0, every=True)
+        self._continue_due(0, every=True)
         self.down.clear()
         for process, _ in self.own:
             with contextlib.suppress(psutil.NoSuchProcess):
@@ -216,7 +219,7 @@ class Chaos:
                             now - seen[fault.round] >= fault.after and done < fault.round:
                         self._inject(fault, launcher, now)
                 self._restart_due(now)
-                self._continue_due(now)
+                self._continue_due(done)
                 time.sleep(0.25)
             code = launcher.returncode if launcher.returncode is not None else 1
             self._stop_own()
@@ -250,7 +253,7 @@ class Chaos:
                 return
             members = self._tree(node)
             self._signal(members, signal.SIGSTOP)
-            self.stalled.append((now + self.reply_timeout + 5.0, members))
+            self.stalled.append((fault.round, members))
         fault.injected = now - self.began
         self.echo(f"  chaos: {fault.kind}{'' if fault.partition is None else f' node {fault.partition}'} in round "
                   f"{fault.round} at {fault.injected:.0f} s")
@@ -305,8 +308,9 @@ def verify(out: Path, outcome: Outcome, node_budget: float, ledger_checks: list[
             problems.append(f"node {i} spent {ledger.spent(records):.3f} > {node_budget:g}")
         for release in releases:
             by_release[release] = by_release.get(release, 0) + 1
-        for fault in outcome.faults:  # a node hit by a fault: did it take part again (a round after the fault's)?
-            if fault.partition == i and fault.kind in ("kill", "stall") and fault.injected is not None:
+        for fault in outcome.faults:  # a node hit before the last round: did it take part again (a later round)?
+            if fault.partition == i and fault.kind in ("kill", "stall") and fault.injected is not None and \
+                    fault.round < len(outcome.rows):
                 outcome.back[f"{fault.kind} node {i}"] = any(r["round"] > fault.round for r in records)
     # a row's releases: the count so far, so the id of the release its round aggregated
     uncounted = [r["round"] for r in outcome.rows if r["replies"] > by_release.get(r["releases"], 0)]
@@ -415,8 +419,8 @@ def chaos(out: Path, *, nodes: int, rounds: int, seed: int, placement: str = "cl
                 "train-examples": 40 * nodes, "test-examples": 100, "reply-timeout": reply_timeout,
                 "noise-placement": f"'{placement}'", "target-epsilon": 0, "noise-multiplier": 2.0,
                 "min-replies": min_replies or (max(3, nodes - 4) if placement == "secagg" else 0)}
-    harness = Chaos(out, faults, nodes=nodes, settings=settings, node_budget=node_budget,
-                    reply_timeout=reply_timeout, deadline=deadline, echo=echo)
+    harness = Chaos(out, faults, nodes=nodes, settings=settings, node_budget=node_budget, deadline=deadline,
+                    echo=echo)
     outcome = Outcome(nodes, rounds, placement, seed, faults)
     try:
         outcome.launches, code = harness.run()

@@ -15,6 +15,8 @@ the truth where memory moves in steps. The run directory's size is fitted the sa
 ServerApp's per-round row writer): the check that the soak finds a leak when there is one.
 
     python -m benchmarks.soak                                  # the committed run: results/soak.{md,json,png}
+    python -m benchmarks.soak --modes deployment --deployment-nodes 1 --deployment-rounds 300   # one mode again:
+                                                               # the committed file keeps the other's
     python -m benchmarks.soak --modes simulation --rounds 30 --out DIR [--plant-leak 16]
 """
 
@@ -117,10 +119,10 @@ class Sampler(threading.Thread):
 
 
 def launch(mode: str, out: Path, rounds: int, config: str | None, sets: list[str], plant_leak: int,
-           echo=print) -> tuple[int, dict[int, dict], float]:
+           deployment_nodes: int = DEPLOY_NODES, echo=print) -> tuple[int, dict[int, dict], float]:
     """One run of ``mode`` into ``out``; (its exit code, the sampler's rounds, seconds)."""
     fedlora = str(Path(sys.executable).parent / "fedlora")
-    settings = {**SMALL, **({"num-clients": DEPLOY_NODES, "clients-per-round": DEPLOY_NODES}
+    settings = {**SMALL, **({"num-clients": deployment_nodes, "clients-per-round": deployment_nodes}
                             if mode == "deployment" else {}), "num-rounds": rounds, "eval-every": max(rounds // 10, 1)}
     args = [fedlora, "run" if mode == "simulation" else "deploy", "--out", str(out)]
     args += ["--config", config] if config else []
@@ -195,19 +197,28 @@ def verdict(analysis: dict) -> str:
         f"no role grows beyond {analysis['tolerance_mib']:g} MiB a round after the warm-up"
 
 
-def write_results(results: dict, command: str) -> None:
+def with_committed_modes(results: dict, committed: Path) -> dict:
+    """``results`` with the committed file's runs of the modes it did not run (each keeps its command and commit)."""
+    kept = json.loads(committed.read_text())["modes"] if committed.is_file() else {}
+    modes = {mode: results["modes"].get(mode) or kept[mode] for mode in MODES if mode in results["modes"] or mode in kept}
+    return {**results, "modes": modes}
+
+
+def write_results(results: dict) -> None:
     lines = ["# Memory over long runs: RSS by role and the run directory, round by round", "",
              "Small model and cohort (the tiny ViT at 32 px, LoRA r = 4, noise at the client): simulation with "
-             f"{SMALL['num-clients']} clients, {SMALL['clients-per-round']} a round, and a deployment of "
-             f"{DEPLOY_NODES} SuperNodes, every node every round; evaluated every tenth of the run. RSS sampled from "
+             f"{SMALL['num-clients']} clients, {SMALL['clients-per-round']} a round, and a deployment's SuperNodes "
+             "on loopback, every node every round; evaluated every tenth of the run. RSS sampled from "
              f"outside every {SAMPLE_SECONDS} s; per round the least seen between its end and the next's (the "
              "deployment's ClientApps, a process a message: the most); a line "
              f"fitted after the first {WARM_UP:.0%} of the rounds (the interval: least squares', rounds taken as "
              f"independent). A role grows when its interval's lower end passes {TOLERANCE_MIB} MiB a round.", ""]
     for mode, run in results["modes"].items():
         a = run["analysis"]
-        lines += [f"## {mode.capitalize()}: {run['rounds_done']} rounds in {run['seconds'] / 60:.1f} min, exit "
-                  f"{run['code']}", "", f"Verdict: {verdict(a)}.", ""]
+        nodes = f" of {run['nodes']} SuperNode{'s' * (run['nodes'] > 1)}" if mode == "deployment" else ""
+        lines += [f"## {mode.capitalize()}: {run['rounds_done']} rounds{nodes} in {run['seconds'] / 60:.1f} min, "
+                  f"exit {run['code']}", "", f"Command: `{run['command']}` at {run['commit']}  ",
+                  f"Verdict: {verdict(a)}.", ""]
         if "error" in a:
             continue
         lines += ["| role | processes | RSS after the warm-up, MiB | at the end | most seen | slope, MiB a round | "
@@ -220,14 +231,13 @@ def write_results(results: dict, command: str) -> None:
         lines += ["", f"Run directory: {d['bytes'] / 2**20:.2f} MiB at the end, growing {d['slope'] / 1024:.2f} KiB a "
                   f"round [{d['low'] / 1024:.2f}, {d['high'] / 1024:.2f}] (largest departure from the line "
                   f"{d['max_residual'] / 1024:.1f} KiB): about {d['slope'] * 400 / 2**20:.1f} MiB over 400 rounds.", ""]
-    lines += [f"Command: `{command}`  ", f"Commit: {results['commit']}  ", f"Machine: {results['machine']}  ", "",
-              f"![RSS by round]({NAME}.png)", ""]
+    lines += [f"Machine: {results['machine']}  ", "", f"![RSS by round]({NAME}.png)", ""]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines))
     (RESULTS / f"{NAME}.json").write_text(json.dumps(results, indent=1) + "\n")
-    _plot(results, command)
+    _plot(results)
 
 
-def _plot(results: dict, command: str) -> None:
+def _plot(results: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -253,20 +263,24 @@ def _plot(results: dict, command: str) -> None:
     axes[-1].set_xlabel("round")
     axes[-1].set_ylabel("MiB")
     axes[-1].legend(fontsize=7)
-    save_figure(fig, NAME, command)
+    save_figure(fig, NAME, "; ".join(dict.fromkeys(run["command"] for _, run in modes)))
 
 
 def soak(work: Path, *, modes: tuple[str, ...], rounds: int, config: str | None = None, sets: list[str] = (),
-         plant_leak: int = 0, tolerance: float = TOLERANCE_MIB, deployment_rounds: int = 0, echo=print) -> dict:
+         plant_leak: int = 0, tolerance: float = TOLERANCE_MIB, deployment_rounds: int = 0,
+         deployment_nodes: int = DEPLOY_NODES, command: str = "", echo=print) -> dict:
     """Each mode's run under ``work`` (which must not exist), sampled and analysed."""
     work.mkdir(parents=True)
     out = {"rounds": rounds, "plant_leak_mib": plant_leak, "tolerance_mib": tolerance, "commit": revision(),
            "machine": machine(), "modes": {}}
     for mode in modes:
         total = deployment_rounds if mode == "deployment" and deployment_rounds else rounds
-        code, samples, seconds = launch(mode, work / mode, total, config, list(sets), plant_leak, echo)
+        code, samples, seconds = launch(mode, work / mode, total, config, list(sets), plant_leak, deployment_nodes,
+                                        echo)
         analysis = analyse(samples, total, tolerance, by_most=("ClientApp",))
-        out["modes"][mode] = {"code": code, "seconds": seconds, "rounds": total, "rounds_done": rounds_done(work / mode),
+        out["modes"][mode] = {"command": command, "commit": out["commit"], "code": code, "seconds": seconds,
+                              "nodes": deployment_nodes if mode == "deployment" else SMALL["num-clients"],
+                              "rounds": total, "rounds_done": rounds_done(work / mode),
                               "analysis": analysis, "samples": {str(r): v for r, v in sorted(samples.items())}}
         echo(f"{mode}: exit {code}, {rounds_done(work / mode)} rounds in {seconds:.0f} s; {verdict(analysis)}")
     return out
@@ -277,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=300)
     parser.add_argument("--deployment-rounds", type=int, default=0,
                         help="the deployment's rounds, where they differ (its ClientApp starts anew every message)")
-    parser.add_argument("--modes", default=",".join(MODES), help="simulation, deployment or both")
+    parser.add_argument("--deployment-nodes", type=int, default=DEPLOY_NODES, help="the deployment's SuperNodes")
+    parser.add_argument("--modes", default=",".join(MODES), help="simulation, deployment or both (without --out, "
+                                                                 "the committed results keep the other mode's run)")
     parser.add_argument("--config", help="a preset instead of the small federation (e.g. cifar100_private on a GPU)")
     parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE")
     parser.add_argument("--plant-leak", type=int, default=0, metavar="MIB",
@@ -293,23 +309,23 @@ def main(argv: list[str] | None = None) -> int:
             samples = {int(r): v for r, v in run["samples"].items()}
             run["analysis"] = analyse(samples, run["rounds"], results.get("tolerance_mib", TOLERANCE_MIB),
                                       by_most=("ClientApp",))
-        write_results(results, results["command"])
+        write_results(results)
         return 0
     modes = tuple(m.strip() for m in args.modes.split(","))
     unknown = [m for m in modes if m not in MODES]
-    if unknown or min(args.rounds, args.deployment_rounds or 10) < 10:
+    if unknown or min(args.rounds, args.deployment_rounds or 10) < 10 or args.deployment_nodes < 1:
         print(f"{NAME}: error: --modes takes {' or '.join(MODES)}" + (f" (not {', '.join(unknown)})" if unknown else "")
-              + " and --rounds and --deployment-rounds at least 10.", file=sys.stderr)
+              + ", --rounds and --deployment-rounds at least 10 and --deployment-nodes at least 1.", file=sys.stderr)
         return 2
     work = args.out or Path(tempfile.mkdtemp(prefix="soak-")) / "work"
     if args.out is not None and args.out.exists():
         print(f"{NAME}: error: {args.out} exists; give a new directory.", file=sys.stderr)
         return 2
     results = soak(work, modes=modes, rounds=args.rounds, config=args.config, sets=args.set,
-                   plant_leak=args.plant_leak, tolerance=args.tolerance, deployment_rounds=args.deployment_rounds)
+                   plant_leak=args.plant_leak, tolerance=args.tolerance, deployment_rounds=args.deployment_rounds,
+                   deployment_nodes=args.deployment_nodes, command=command_line(f"benchmarks.{NAME}"))
     if args.out is None:
-        results["command"] = command_line(f"benchmarks.{NAME}")
-        write_results(results, results["command"])
+        write_results(with_committed_modes(results, RESULTS / f"{NAME}.json"))
     else:
         (args.out / f"{NAME}.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0 if all(m["code"] == 0 for m in results["modes"].values()) else 1

@@ -1,9 +1,6 @@
 """fedlora: differentially private federated LoRA with sketched Gaussian mechanisms."""
 
-from importlib.metadata import version
 from pathlib import Path
-
-__version__ = version("fedlora")  # pyproject.toml's, as installed
 
 # The source tree keeps the product's layout: strategies/, clients/ and configs/ beside this package. A wheel installs
 # them inside it (setuptools' package-dir), so that site-packages gains `fedlora` alone. In the source tree (an

@@ -8,8 +8,8 @@ import json
 import math
 import os
 import sys
+from importlib import metadata
 
-from fedlora import __version__
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.config import HEAD_MODES, MAX_CLASSES, MESSAGE_FORMS, parse_assignment
 from fedlora.models import MODELS, TARGETS, adapted_layer_shapes, model_spec
@@ -957,7 +957,9 @@ def add_overrides(parser: argparse.ArgumentParser, help: str = "override config 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fedlora", description="Differentially private federated LoRA with sketched Gaussian mechanisms.")
-    parser.add_argument("--version", action="version", version=f"fedlora {__version__}")
+    # pyproject.toml's, as installed; asked here, not on importing fedlora, which a Flower app bundle's copy of the
+    # package does where no distribution is installed
+    parser.add_argument("--version", action="version", version=f"fedlora {metadata.version('fedlora')}")
     commands = parser.add_subparsers(dest="command", parser_class=_Parser)
     d = commands.add_parser("describe", help="what each mechanism uploads and costs for a model's LoRA adapters")
     d.add_argument("--model", default="vit-b16-random", choices=list(MODELS),

@@ -1,10 +1,11 @@
 """The suite runs on up to two pytest-xdist workers (pyproject's addopts; `pytest -n 0` runs it in one process).
 
-The tests that start Flower or Ray processes check that none is left on the machine when they end, so their modules
-are one unit of work: they run one after the other on one worker, and no test on the other worker starts such a
-process. (A scheduler of our own rather than xdist_group marks: with pytest 9.2, pytest-xdist's loadgroup ignores
-the marks, pytest-xdist#1386.) Each worker's torch gets its share of the cores, so that the workers' thread pools do
-not oversubscribe them.
+The tests that start Flower or Ray processes check that none of their worker's is left when they end (a process
+inherits its worker's PYTEST_XDIST_WORKER, tests/helpers.py); their modules are one unit of work, run one after the
+other on one worker, so that at most one such module's federations share the cores with the other worker's tests
+(the chaos and soak benchmarks' tests, each one long test, run there). (A scheduler of our own rather than
+xdist_group marks: with pytest 9.2, pytest-xdist's loadgroup ignores the marks, pytest-xdist#1386.) Each worker's
+torch gets its share of the cores, so that the workers' thread pools do not oversubscribe them.
 """
 
 import os

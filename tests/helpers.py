@@ -1,7 +1,9 @@
 """Shared by the tests: those that start real Flower processes, and those that also run on a GPU where there is one."""
 
-import subprocess
+import contextlib
+import os
 
+import psutil
 import pytest
 import torch
 
@@ -17,9 +19,19 @@ FLOWER_PROCESSES = ("flower-superlink", "flower-supernode", "flower-superexec", 
 
 
 def leftover_flower_processes() -> list[str]:
-    """Live (not zombie) Flower and Ray processes on this machine."""
-    out = subprocess.run(["ps", "-eo", "stat,cmd"], capture_output=True, text=True).stdout.splitlines()
-    return [line for line in out if any(p in line for p in FLOWER_PROCESSES) and not line.startswith("Z")]
+    """Live (not zombie) Flower and Ray processes that this test worker started: under pytest-xdist the other
+    worker's tests start their own (a chaos run, a soak), and every process inherits its worker's
+    PYTEST_XDIST_WORKER, Ray's raylet too; without xdist, every such process on the machine."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    left = []
+    for process in psutil.process_iter(["cmdline", "status"]):
+        command = " ".join(process.info["cmdline"] or [])
+        if not any(p in command for p in FLOWER_PROCESSES) or process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        with contextlib.suppress(psutil.Error):  # it ended meanwhile
+            if worker is None or process.environ().get("PYTEST_XDIST_WORKER") == worker:
+                left.append(f"{process.pid} {command}")
+    return left
 
 
 def assert_trained_together_as_alone(model, data, task) -> set[str]:

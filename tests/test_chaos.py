@@ -15,7 +15,10 @@ def test_a_deployment_survives_kills_stalls_garbage_and_a_superlink_restart(tmp_
                     echo=lines.append)
     assert outcome.passed, outcome.checks
     facts = summary(outcome)
-    assert facts["rounds completed"] == 3 and facts["launches"] == 2, facts  # the SuperLink's kill, then a resume
+    # the SuperLink's kill, then a resume; on a loaded machine a round whose one healthy reply misses the timeout
+    # through every retry stops a launch too, and the next resumes it
+    launcher_log = (out.parent / f"{out.name}-launcher.log").read_text()
+    assert facts["rounds completed"] == 3 and 2 <= facts["launches"] <= 3, (facts, launcher_log[-3000:])
     assert facts["by kind"] == {kind: 1 for kind in KINDS}, (facts, lines)
     assert facts["replies rejected"] >= 1  # the NaN replies never count
     assert outcome.status == "finished" and outcome.last_line.startswith("clients failed: ")

@@ -1,10 +1,12 @@
 """The soak (benchmarks/soak.py) at a size CI affords: a short simulation whose server is made to keep 16 MiB more
 every round is found growing by about that much, and the same run without the leak is not."""
 
+import json
+
 import numpy as np
 import pytest
 
-from benchmarks.soak import analyse, slope, soak, verdict
+from benchmarks.soak import analyse, slope, soak, verdict, with_committed_modes
 
 LEAK_MIB = 16
 TOLERANCE_MIB = 2.0
@@ -21,6 +23,17 @@ def test_the_fit_gives_the_slope_and_an_interval_that_holds_it():
     flat = analyse(rounds, 100)
     assert not flat["roles"][SERVER]["grows"] and flat["dir"]["slope"] == pytest.approx(1000)
     assert verdict(flat).startswith("no role grows")
+
+
+def test_a_run_of_one_mode_keeps_the_committed_run_of_the_other(tmp_path):
+    committed = tmp_path / "soak.json"
+    committed.write_text(json.dumps({"modes": {"simulation": {"command": "old", "rounds": 300},
+                                               "deployment": {"command": "old", "rounds": 150}}}))
+    new = {"commit": "new", "modes": {"deployment": {"command": "new", "rounds": 300}}}
+    merged = with_committed_modes(new, committed)
+    assert merged["modes"] == {"simulation": {"command": "old", "rounds": 300},
+                               "deployment": {"command": "new", "rounds": 300}} and merged["commit"] == "new"
+    assert with_committed_modes(new, tmp_path / "none.json")["modes"] == new["modes"]
 
 
 def test_a_planted_per_round_leak_in_the_server_is_found_and_a_run_without_it_is_clean(tmp_path):
