@@ -2,10 +2,10 @@
 
 The tests that start Flower or Ray processes check that none of their worker's is left when they end (a process
 inherits its worker's PYTEST_XDIST_WORKER, tests/helpers.py); their modules are one unit of work, run one after the
-other on one worker, so that at most one such module's federations share the cores with the other worker's tests
-(the chaos and soak benchmarks' tests, each one long test, run there). (A scheduler of our own rather than
-xdist_group marks: with pytest 9.2, pytest-xdist's loadgroup ignores the marks, pytest-xdist#1386.) Each worker's
-torch gets its share of the cores, so that the workers' thread pools do not oversubscribe them.
+other on one worker, so that at most one of them shares the cores with the other worker's tests (among which the
+chaos and soak benchmarks' tests, each a unit of its own, start such processes too). (A scheduler of our own rather
+than xdist_group marks: with pytest 9.2, pytest-xdist's loadgroup ignores the marks, pytest-xdist#1386.) Each
+worker's torch gets its share of the cores, so that the workers' thread pools do not oversubscribe them.
 """
 
 import os
