@@ -1,6 +1,7 @@
 """The chaos benchmark at a size CI affords: 3 SuperNodes with TLS, authentication and ledgers, 3 rounds, one node
-replying NaN throughout, one killed and restarted, one stalled past the reply timeout, the SuperLink killed and the
-run resumed; every check of benchmarks/chaos.py must hold, and its ledger check must catch a doctored ledger."""
+replying NaN throughout, one killed and restarted, one stalled until its round ends without it, the SuperLink killed
+and the run resumed; every check of benchmarks/chaos.py must hold, and its ledger check must catch a doctored
+ledger."""
 
 import dataclasses
 
