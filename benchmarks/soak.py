@@ -198,7 +198,8 @@ def verdict(analysis: dict) -> str:
 
 
 def with_committed_modes(results: dict, committed: Path) -> dict:
-    """``results`` with the committed file's runs of the modes it did not run (each keeps its command and commit)."""
+    """``results`` with the committed file's runs of the modes it did not run (each keeps its command, commit and
+    machine)."""
     kept = json.loads(committed.read_text())["modes"] if committed.is_file() else {}
     modes = {mode: results["modes"].get(mode) or kept[mode] for mode in MODES if mode in results["modes"] or mode in kept}
     return {**results, "modes": modes}
@@ -218,6 +219,8 @@ def write_results(results: dict) -> None:
         nodes = f" of {run['nodes']} SuperNode{'s' * (run['nodes'] > 1)}" if mode == "deployment" else ""
         lines += [f"## {mode.capitalize()}: {run['rounds_done']} rounds{nodes} in {run['seconds'] / 60:.1f} min, "
                   f"exit {run['code']}", "", f"Command: `{run['command']}` at {run['commit']}  ",
+                  f"Machine: {run['machine']}" + (f"; a leak of {run['plant_leak_mib']} MiB a round planted in the "
+                                                  "server" if run["plant_leak_mib"] else "") + "  ",
                   f"Verdict: {verdict(a)}.", ""]
         if "error" in a:
             continue
@@ -231,7 +234,7 @@ def write_results(results: dict) -> None:
         lines += ["", f"Run directory: {d['bytes'] / 2**20:.2f} MiB at the end, growing {d['slope'] / 1024:.2f} KiB a "
                   f"round [{d['low'] / 1024:.2f}, {d['high'] / 1024:.2f}] (largest departure from the line "
                   f"{d['max_residual'] / 1024:.1f} KiB): about {d['slope'] * 400 / 2**20:.1f} MiB over 400 rounds.", ""]
-    lines += [f"Machine: {results['machine']}  ", "", f"![RSS by round]({NAME}.png)", ""]
+    lines += [f"![RSS by round]({NAME}.png)", ""]
     (RESULTS / f"{NAME}.md").write_text("\n".join(lines))
     (RESULTS / f"{NAME}.json").write_text(json.dumps(results, indent=1) + "\n")
     _plot(results)
@@ -271,14 +274,14 @@ def soak(work: Path, *, modes: tuple[str, ...], rounds: int, config: str | None 
          deployment_nodes: int = DEPLOY_NODES, command: str = "", echo=print) -> dict:
     """Each mode's run under ``work`` (which must not exist), sampled and analysed."""
     work.mkdir(parents=True)
-    out = {"rounds": rounds, "plant_leak_mib": plant_leak, "tolerance_mib": tolerance, "commit": revision(),
-           "machine": machine(), "modes": {}}
+    out = {"tolerance_mib": tolerance, "modes": {}}
+    made = {"command": command, "commit": revision(), "machine": machine(), "plant_leak_mib": plant_leak}
     for mode in modes:
         total = deployment_rounds if mode == "deployment" and deployment_rounds else rounds
         code, samples, seconds = launch(mode, work / mode, total, config, list(sets), plant_leak, deployment_nodes,
                                         echo)
         analysis = analyse(samples, total, tolerance, by_most=("ClientApp",))
-        out["modes"][mode] = {"command": command, "commit": out["commit"], "code": code, "seconds": seconds,
+        out["modes"][mode] = {**made, "code": code, "seconds": seconds,
                               "nodes": deployment_nodes if mode == "deployment" else SMALL["num-clients"],
                               "rounds": total, "rounds_done": rounds_done(work / mode),
                               "analysis": analysis, "samples": {str(r): v for r, v in sorted(samples.items())}}

@@ -29,10 +29,10 @@ def test_a_run_of_one_mode_keeps_the_committed_run_of_the_other(tmp_path):
     committed = tmp_path / "soak.json"
     committed.write_text(json.dumps({"modes": {"simulation": {"command": "old", "rounds": 300},
                                                "deployment": {"command": "old", "rounds": 150}}}))
-    new = {"commit": "new", "modes": {"deployment": {"command": "new", "rounds": 300}}}
+    new = {"tolerance_mib": 0.05, "modes": {"deployment": {"command": "new", "rounds": 300}}}
     merged = with_committed_modes(new, committed)
     assert merged["modes"] == {"simulation": {"command": "old", "rounds": 300},
-                               "deployment": {"command": "new", "rounds": 300}} and merged["commit"] == "new"
+                               "deployment": {"command": "new", "rounds": 300}} and merged["tolerance_mib"] == 0.05
     assert with_committed_modes(new, tmp_path / "none.json")["modes"] == new["modes"]
 
 
