@@ -188,12 +188,14 @@ class Chaos:
         from fedlora.clients.app import GARBAGE_ENV
 
         log = (self.out.parent / f"{self.out.name}-launcher.log").open("a")
+        # unbuffered: its error line (stderr) comes after its round lines (stdout) in the log, as on a terminal
         return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env={**os.environ, GARBAGE_ENV: str(self.garbage)})
+                                env={**os.environ, GARBAGE_ENV: str(self.garbage), "PYTHONUNBUFFERED": "1"})
 
     def _rows(self) -> int:
-        metrics = self.out / "metrics.jsonl"
-        return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+        from fedlora.launch import complete_lines
+
+        return len(complete_lines(self.out / "metrics.jsonl"))
 
     def run(self) -> tuple[int, int]:
         """Launches and resumes until the run ends, a launch fails without a resume to offer, or the deadline;
@@ -224,8 +226,7 @@ class Chaos:
             code = launcher.returncode if launcher.returncode is not None else 1
             self._stop_own()
             self.ledger_checks.append(agreement(self.out))
-            text = (self.out.parent / f"{self.out.name}-launcher.log").read_text()
-            if code == 0 or f"fedlora deploy --resume {self.out}" not in text.splitlines()[-1]:
+            if code == 0 or f"fedlora deploy --resume {self.out}" not in last_line(self.out):
                 break
             resume = True
         return launches, code
@@ -260,6 +261,12 @@ class Chaos:
 
 
 # -- the checks ----------------------------------------------------------------------------------------------------
+def last_line(out: Path) -> str:
+    """The launcher log's last line that is not blank: the last launch's outcome."""
+    lines = [line for line in (out.parent / f"{out.name}-launcher.log").read_text().splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
 def agreement(out: Path) -> str:
     """The run's own ledger against its checkpoint: every release counted once (the sum of its phases' rounds)."""
     from fedlora.checkpoint import STATE_FILE, Checkpoint
@@ -285,8 +292,7 @@ def verify(out: Path, outcome: Outcome, node_budget: float, ledger_checks: list[
     outcome.rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     saved = Checkpoint.load(out)
     outcome.status = saved.status
-    lines = [line for line in (out.parent / f"{out.name}-launcher.log").read_text().splitlines() if line.strip()]
-    outcome.last_line = lines[-1] if lines else ""
+    outcome.last_line = last_line(out)
     checks = outcome.checks
     ended = saved.status in ENDED and code == 0
     one_line = code != 0 and outcome.last_line.startswith("fedlora: error: ")

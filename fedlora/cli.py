@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from fedlora.algorithms import ALGORITHMS, LoRAMode, check_layer_sizes, get_algorithm
 from fedlora.config import HEAD_MODES, MAX_CLASSES, MESSAGE_FORMS, parse_assignment
@@ -55,8 +56,6 @@ def _path_arg(text: str) -> str:
 def _output_dir(path, flag: str):
     """``path``, once it is known that the command can write there (a directory, or one it can make): a CLIError
     before any work if not. Nothing is made here, so a run refused later leaves no empty directory."""
-    from pathlib import Path
-
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise CLIError(f"{flag} '{path}' is a file, not a directory.")
@@ -71,7 +70,8 @@ def _output_dir(path, flag: str):
 
 
 _HELD: list = []  # (lock file, directories made) per run directory this command holds: released as main returns
-_RESUME_HINT: list[str] = []  # how to continue the run this command started, once it has a directory
+# (how to continue the run this command started, its directory), once it has a directory
+_RESUME_HINT: list[tuple[str, Path]] = []
 
 
 def _claim(out_dir, command: str, *, default_name: bool):
@@ -100,7 +100,7 @@ def _claim(out_dir, command: str, *, default_name: bool):
         raise CLIError(f"'{out_dir}' is in use by another fedlora command (a run or resume of it has not ended): "
                        "wait for it, or choose another --out.") from None
     _HELD.append((lock, made))
-    _RESUME_HINT[:] = [f"fedlora {command} --resume {out_dir}"]
+    _RESUME_HINT[:] = [(f"fedlora {command} --resume {out_dir}", out_dir)]
     return out_dir
 
 
@@ -495,7 +495,6 @@ def _prepare(args: argparse.Namespace, config, command: str, *, out_dir=None, us
     noise calibrated (a NoisePlan), which the ServerApp is given rather than calibrating it again.
     ``used``: the noise multipliers a resumed run used, which its config must calibrate again."""
     import time
-    from pathlib import Path
 
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
     from fedlora.experiment import check_before_start, noise_for, sampling_of
@@ -696,8 +695,6 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
     """The run directory and config of the run `fedlora <command> --resume` continues, once it is known to be one
     that command can continue, and what ``check`` found (it raises if the run cannot continue); prints what will
     run."""
-    from pathlib import Path
-
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
     from fedlora.experiment import load_run_config
     from fedlora.launch import DEPLOYMENT_FILE
@@ -740,8 +737,6 @@ def _resumable(args: argparse.Namespace, command: str, check=lambda out_dir, con
 def deploy(args: argparse.Namespace) -> None:
     """A SuperLink and one SuperNode per client on this machine (TLS and SuperNode authentication unless
     --insecure), one run, then every process stopped."""
-    from pathlib import Path
-
     from fedlora.config import DEPLOY_PRESET, RunConfig, load_config
     from fedlora.credentials import Credentials, make_credentials
     from fedlora.launch import DEPLOYMENT_FILE, deploy_locally, deployment_credentials
@@ -807,7 +802,6 @@ def audit(args: argparse.Namespace) -> dict:
     """The configured strategy's empirical privacy: its mechanism on one message, then (with canaries) a whole
     in-process run with canary clients. Everything is checked before either starts."""
     import time
-    from pathlib import Path
 
     from fedlora.algorithms import make_mechanism
     from fedlora.audit import audit_mechanism, audit_secure_sum
@@ -881,7 +875,6 @@ def _text_audit(args: argparse.Namespace, config) -> dict:
     """`fedlora audit --text`: the text attacks on a language model's federation (strategies.text_audit), checked
     before anything runs."""
     import time
-    from pathlib import Path
 
     from fedlora.experiment import check_before_start, noise_for
     from fedlora.strategies.text_audit import MIN_TEXT_CANARIES, audit_text, check_text_audit
@@ -1115,8 +1108,23 @@ class _Terminated(SystemExit):
 
 def _stopped(why: str) -> None:
     """One line for a command stopped from outside: how to continue its run, if it started one."""
-    hint = f": continue the run with `{_RESUME_HINT[0]}`" if _RESUME_HINT else ""
+    hint = f": continue the run with `{_RESUME_HINT[0][0]}`" if _RESUME_HINT else ""
     print(f"fedlora: stopped by {why}{hint}", file=sys.stderr)
+
+
+def _resume_offer(message: str) -> str:
+    """How to continue the run a failed launch leaves, where its message does not say (a resume whose SuperNode
+    could not start, say): only a run with a checkpoint that has not ended can be resumed."""
+    from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
+
+    if not _RESUME_HINT or "--resume" in message:
+        return ""
+    hint, out_dir = _RESUME_HINT[0]
+    try:
+        resumable = (out_dir / STATE_FILE).is_file() and Checkpoint.load(out_dir).status not in ENDED
+    except ValueError:  # a damaged checkpoint: its resume would say so
+        return ""
+    return f" Resume it with `{hint}`." if resumable else ""
 
 
 def _credentials(args: argparse.Namespace) -> None:
@@ -1128,8 +1136,6 @@ def _credentials(args: argparse.Namespace) -> None:
 
 
 def _pretrain(args: argparse.Namespace) -> None:
-    from pathlib import Path
-
     from fedlora import pretrain
     from fedlora.data import fashion_mnist_unavailable_reason
     from fedlora.text import fortunes_unavailable_reason
@@ -1191,8 +1197,6 @@ def _privacy(args: argparse.Namespace) -> None:
 
 def ledger(args: argparse.Namespace) -> dict:
     """A node's privacy ledger: its replies and the epsilon they spent against the server."""
-    from pathlib import Path
-
     from fedlora.privacy.node_budget import NodeBudget
 
     if not 0 < args.delta < 1:
@@ -1235,7 +1239,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedlora: error: {line}", file=sys.stderr)
         return 2
     except RuntimeError as error:  # a run that started and failed (SimulationError): its log is named
-        print(f"fedlora: error: {error}", file=sys.stderr)
+        print(f"fedlora: error: {error}{_resume_offer(str(error))}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # the reader left (`fedlora describe | head -1`): stop quietly, as Python's docs advise
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot raise again

@@ -176,8 +176,7 @@ class Flower:
         try:
             while True:
                 finished = runner.poll() is not None
-                lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-                for line in lines[done:]:
+                for line in complete_lines(metrics_path)[done:]:
                     if line.strip():
                         in_round.clear()
                         echo(format_progress(json.loads(line), config))
@@ -189,6 +188,13 @@ class Flower:
         finally:  # however it ends (Ctrl-C included), the terminal's line is left clean
             in_round.clear()
         return Checkpoint.load(self.out_dir) if state_path.is_file() else None
+
+
+def complete_lines(path: Path) -> list[str]:
+    """The lines of a file another process appends to, less a last one not yet ended by its newline (being
+    written, or torn by a ServerApp killed as it wrote: the checkpoint's rows are the run's)."""
+    text = path.read_text() if path.exists() else ""
+    return text[:text.rfind("\n") + 1].splitlines()
 
 
 class RoundProgress:

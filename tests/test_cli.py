@@ -405,6 +405,37 @@ def test_a_command_stopped_from_outside_says_how_to_continue_its_run(monkeypatch
     assert not cli._HELD
 
 
+@pytest.mark.parametrize("status, offered", [(None, False), ("running", True), ("stalled", True), ("finished", False)])
+def test_a_failed_launch_of_a_resumable_run_says_how_to_resume_it(monkeypatch, capsys, tmp_path, status, offered):
+    """A launch that fails where its message cannot know the run (a SuperNode of a resume that could not start)
+    still ends in one line that offers the resume, where the run has a checkpoint that has not ended; a message
+    that offers it already is left alone."""
+    import fedlora.cli as cli
+    from fedlora.checkpoint import Checkpoint
+    import torch
+
+    from fedlora.launch import LaunchError
+    from fedlora.round_plan import GlobalState
+
+    def failed(message):
+        def command(args):
+            run = cli._claim(tmp_path / "run", "deploy", default_name=False)
+            if status is not None:
+                Checkpoint(GlobalState({"w": torch.zeros(2)}, 0), status=status).save(run)
+            raise LaunchError(message)
+        return command
+
+    offer = f" Resume it with `fedlora deploy --resume {tmp_path / 'run'}`."
+    monkeypatch.setitem(cli.COMMANDS, "deploy", failed("The supernode-1 exited at start-up; see x.log."))
+    assert main(["deploy"]) == 1
+    assert capsys.readouterr().err == \
+        f"fedlora: error: The supernode-1 exited at start-up; see x.log.{offer if offered else ''}\n"
+    said = f"The federation stopped after 1 of 3 rounds; resume it with `fedlora deploy --resume {tmp_path / 'run'}`."
+    monkeypatch.setitem(cli.COMMANDS, "deploy", failed(said))
+    assert main(["deploy"]) == 1
+    assert capsys.readouterr().err == f"fedlora: error: {said}\n"
+
+
 def test_ledger_says_what_a_node_spent_against_the_server(capsys, tmp_path):
     from fedlora.privacy.events import GaussianRelease
     from fedlora.privacy.node_budget import NodeBudget

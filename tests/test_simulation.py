@@ -12,7 +12,7 @@ import torch
 
 from fedlora.checkpoint import FINISHED, Checkpoint
 from fedlora.config import RunConfig
-from fedlora.launch import LAUNCH_MARK, LaunchError, last_error, record_fixed_cost, run_simulation
+from fedlora.launch import LAUNCH_MARK, LaunchError, complete_lines, last_error, record_fixed_cost, run_simulation
 from fedlora.tracking import read_progress
 from fedlora.privacy.events import trust_label
 from tests.helpers import leftover_flower_processes
@@ -269,6 +269,17 @@ def test_the_fixed_cost_is_this_launch_s(tmp_path):
     assert fixed == {"before first round": 20.0, "after last round": 5.0, **startup, "process": 6.0}
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["fixed_seconds"] == fixed
     assert record_fixed_cost(tmp_path, rows[:2], began=2000.0) is None  # a launch that ran no round
+
+
+def test_the_launcher_reads_only_the_rows_the_server_app_has_ended(tmp_path):
+    """A row being appended (or torn by a ServerApp killed as it wrote) is not read until its newline is there: the
+    launcher would fail on its half of a JSON object."""
+    metrics = tmp_path / "metrics.jsonl"
+    assert complete_lines(metrics) == []
+    metrics.write_text('{"round": 1}\n{"round": 2}\n{"rou')
+    assert complete_lines(metrics) == ['{"round": 1}', '{"round": 2}']
+    metrics.write_text('{"round": 1}\n{"round": 2}\n{"round": 3}\n')
+    assert complete_lines(metrics)[2:] == ['{"round": 3}']
 
 
 FLOWER_LOGS = {  # the three ways Flower's processes report a failure, as they print them (colours included)
