@@ -284,12 +284,12 @@ def verify(out: Path, outcome: Outcome, node_budget: float, ledger_checks: list[
     """Fills ``outcome``'s rows, status, last line and checks."""
     from fedlora.checkpoint import ENDED, Checkpoint
     from fedlora.experiment import load_run_config
-    from fedlora.launch import node_ledger
+    from fedlora.launch import complete_lines, node_ledger
     from fedlora.privacy.node_budget import NodeBudget
 
     config, *_ = load_run_config(out)
-    metrics = out / "metrics.jsonl"
-    outcome.rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    # a row torn by a ServerApp killed as it wrote is not the run's: its checkpoint is
+    outcome.rows = [json.loads(line) for line in complete_lines(out / "metrics.jsonl")]
     saved = Checkpoint.load(out)
     outcome.status = saved.status
     outcome.last_line = last_line(out)

@@ -1,7 +1,7 @@
 """The chaos benchmark at a size CI affords: 3 SuperNodes with TLS, authentication and ledgers, 3 rounds, one node
 replying NaN throughout, one killed and restarted, one stalled until its round ends without it, the SuperLink killed
-and the run resumed; every check of benchmarks/chaos.py must hold, and its ledger check must catch a doctored
-ledger."""
+and the run resumed; every check of benchmarks/chaos.py must hold, its ledger check must catch a doctored ledger,
+and a torn last row of metrics.jsonl must not stop it."""
 
 import dataclasses
 
@@ -23,6 +23,12 @@ def test_a_deployment_survives_kills_stalls_garbage_and_a_superlink_restart(tmp_
     assert facts["by kind"] == {kind: 1 for kind in KINDS}, (facts, lines)
     assert facts["replies rejected"] >= 1  # the NaN replies never count
     assert outcome.status == "finished" and outcome.last_line.startswith("clients failed: ")
+
+    with (out / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"round": 4, "accu')  # a row torn by a ServerApp killed as it wrote is not read
+    torn = dataclasses.replace(outcome, checks={})
+    verify(out, torn, 1000.0, ["ok"], 0)
+    assert torn.rows == outcome.rows
 
     ledger = next(node_ledger(out, i) for i in range(3) if node_ledger(out, i).is_file())
     records = ledger.read_text().splitlines()
