@@ -22,7 +22,7 @@ then gets less noise (a smaller z), evaluated every T / 6 rounds as the preset's
 Every strategy runs the preset's form: clients send updates (FlexLoRA: the change of each product B A), applied by
 server SGD. The FlexLoRA runs of the adapter form measured before are kept under keys ending "|message=adapter",
 outside the tables. Secure aggregation
-(noise in shares under SecAgg+) runs at its default min-replies (N_min = 45 of N = 50).
+(noise in shares under SecAgg+) runs at its default min-replies (N_min = 90% of N: 45 of 50 on images, 90 of 100 on text).
 """
 
 from __future__ import annotations
@@ -266,7 +266,6 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
     from fedlora.checkpoint import ENDED, STATE_FILE, Checkpoint
 
     started = time.time()
-    reused = False
 
     def echo(line: str) -> None:
         print(f"    [{key}] {line}", flush=True)
@@ -276,7 +275,6 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
         resumed = (out / STATE_FILE).is_file()
         if resumed and Checkpoint.load(out).status in ENDED:  # it ended before the store was written, or came
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # from `fedlora run`
-            reused = True
         else:
             if resumed:
                 echo(f"resuming from {out}")
@@ -285,9 +283,9 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
     return key, {"accuracy": [r["accuracy"] for r in rows], **perplexity, "epsilon": rows[-1]["epsilon"],
                  "threat_model": rows[-1]["threat_model"],
                  "epsilon_by_observer": rows[-1].get("epsilon_by_observer", {}), "noise_multiplier": rows[-1]["noise_multiplier"],
-                 "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(),
-                 # a finished run found on disk: the seconds its rounds took, not the reading
-                 "seconds": sum(r["seconds"] for r in rows) if reused else time.time() - started,
+                 "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(), "commit": revision(),
+                 # a run found on disk, finished or continued: the seconds its rounds took, not this launch's
+                 "seconds": sum(r["seconds"] for r in rows) if resumed else time.time() - started,
                  **({"resumed": True} if resumed else {})}
 
 
@@ -362,14 +360,14 @@ def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
-def _machines(groups: dict[tuple, list[dict]]) -> str:
-    """Each machine the table's runs recorded, with how many ran there (runs before 2026-11-24 recorded none)."""
+def _recorded(groups: dict[tuple, list[dict]], field: str, missing: str) -> str:
+    """Each value of ``field`` (the machine, the commit) the table's runs recorded, with how many runs each."""
     counts: dict[str, int] = {}
     # a cohort group at the preset's N holds the frontier's runs themselves: each run counted once
     for result in {id(r): r for results in groups.values() for r in results}.values():
-        where = result.get("machine", "not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)")
-        counts[where] = counts.get(where, 0) + 1
-    return "; ".join(f"{where} ({n} runs)" for where, n in sorted(counts.items(), key=lambda kv: -kv[1]))
+        value = result.get(field, missing)
+        counts[value] = counts.get(value, 0) + 1
+    return "; ".join(f"{value} ({n} runs)" for value, n in sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 # The accuracies whose upload cost is tabled: on real data the first evaluation already passes the synthetic ones
@@ -453,8 +451,10 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              f"Runs: `{reproduce}` (each skips the runs {name}.json holds; with `--run-dirs DIR` a stopped run "
              "continues from its last round): the tables show every run of these finished so far, the n per row "
              "how many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
-             f"Commit: {revision()}  ",
-             f"Machine: {machine()}; the runs' own, where they recorded it: {_machines(groups)}  ",
+             f"Commit: {revision()}; the runs' own, where they recorded it: "
+             f"{_recorded(groups, 'commit', 'not recorded (runs before 2026-12-03)')}  ",
+             f"Machine: {machine()}; the runs' own, where they recorded it: "
+             f"{_recorded(groups, 'machine', 'not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)')}  ",
              f"Setting: {setting} ({config.dataset} data, {f'{config.classes} classes' if metric == 'accuracy' else 'next-token prediction'}, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "

@@ -70,10 +70,12 @@ def test_the_text_frontier_measures_perplexity_lower_is_better_and_the_upload_to
                          "perplexity": [falling[run["strategy"]][r // 5 - 1] if r % 5 == 0 else None
                                         for r in range(1, 16)],
                          "noise_multiplier": 1.4 if run["strategy"] != "ffa-lora" else 0.0,
-                         "threat_model": "known-sketch, noise at the server", "bytes_up": [1024] * 15} for run in runs}
+                         "threat_model": "known-sketch, noise at the server", "bytes_up": [1024] * 15,
+                         "commit": "3152e3b"} for run in runs}
     frontier.write_results(runs, done, "bible")
     table = (tmp_path / "privacy_utility_bible.md").read_text()
     assert "## Perplexity against epsilon" in table and "chance" not in table
+    assert "; the runs' own, where they recorded it: 3152e3b (2 runs)  \n" in table  # a frontier spans sessions
     assert "| sgmm-ffa-lora | at the server | 195.00 (1) |" in table
     # sgmm first at or under 220 at round 10, 200 at round 15, never 190; ffa-lora all three at round 5
     assert "| 1.0 KiB | 10 KiB | 15 KiB | never |" in table and "| 1.0 KiB | 5 KiB | 5 KiB | 5 KiB |" in table
@@ -207,6 +209,30 @@ def test_a_frontier_run_that_fails_loses_only_itself(tmp_path, monkeypatch, caps
     printed = capsys.readouterr()
     assert "frontier|gm-ffa-lora|server|8.0|50|1: failed: FileNotFoundError: no such file" in printed.out
     assert "1 of 2 runs failed (frontier|gm-ffa-lora|server|8.0|50|1)" in printed.err
+
+
+@pytest.mark.parametrize("status", ["finished", "running"])
+def test_a_frontier_run_found_on_disk_counts_its_rounds_seconds_and_records_its_commit(tmp_path, monkeypatch, status):
+    """A run continued from its checkpoint (or found finished) took the seconds of all its rounds, not this launch's;
+    every run records the commit it ran at, as a frontier is measured over sessions and commits."""
+    import types
+
+    import benchmarks.privacy_utility as frontier
+    from fedlora.checkpoint import STATE_FILE, Checkpoint
+
+    run = plan(["frontier"], [8.0], [0], ["gm-ffa-lora"], ["server"], None, "fashion_mnist")[0]
+    out = run_dir(tmp_path, run["key"])
+    out.mkdir()
+    (out / STATE_FILE).write_bytes(b"")
+    rows = [{"accuracy": 0.5, "epsilon": 8.0, "threat_model": "known-sketch", "noise_multiplier": 1.4,
+             "bytes_up": 1024, "seconds": 40.0} for _ in range(3)]
+    (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setattr(Checkpoint, "load", classmethod(lambda cls, path: types.SimpleNamespace(status=status)))
+    monkeypatch.setattr(frontier, "run_inprocess", lambda config, out, echo, resume: rows if resume else [])
+    monkeypatch.setattr(frontier, "revision", lambda: "3152e3b")
+    key, result = frontier._run_one(run["key"], run["config"], tmp_path)
+    assert key == run["key"] and result["seconds"] == 120.0 and result["resumed"]
+    assert result["commit"] == "3152e3b"
 
 
 def test_compare_strategies_re_runs_some_strategies_and_keeps_the_others(tmp_path, monkeypatch):
