@@ -21,8 +21,8 @@ then gets less noise (a smaller z), evaluated every T / 6 rounds as the preset's
 
 Every strategy runs the preset's form: clients send updates (FlexLoRA: the change of each product B A), applied by
 server SGD. The FlexLoRA runs of the adapter form measured before are kept under keys ending "|message=adapter",
-outside the tables. Secure aggregation
-(noise in shares under SecAgg+) runs at its default min-replies (N_min = 90% of N: 45 of 50 on images, 90 of 100 on text).
+outside the tables. Secure aggregation (noise in shares under SecAgg+) runs at its default min-replies (N_min = 90%
+of N: 45 of 50 on images, 90 of 100 on text).
 """
 
 from __future__ import annotations
@@ -360,6 +360,9 @@ def _summary(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
+MACHINE_UNKNOWN = "not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)"
+
+
 def _recorded(groups: dict[tuple, list[dict]], field: str, missing: str) -> str:
     """Each value of ``field`` (the machine, the commit) the table's runs recorded, with how many runs each."""
     counts: dict[str, int] = {}
@@ -453,8 +456,7 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              "how many seeds  ", f"Tables written by: `{command_line('benchmarks.privacy_utility')}`  ",
              f"Commit: {revision()}; the runs' own, where they recorded it: "
              f"{_recorded(groups, 'commit', 'not recorded (runs before 2026-12-03)')}  ",
-             f"Machine: {machine()}; the runs' own, where they recorded it: "
-             f"{_recorded(groups, 'machine', 'not recorded (runs before 2026-11-24, all on 2-core AMD EPYC machines)')}  ",
+             f"Machine: {machine()}; the runs' own, where they recorded it: {_recorded(groups, 'machine', MACHINE_UNKNOWN)}  ",
              f"Setting: {setting} ({config.dataset} data, {f'{config.classes} classes' if metric == 'accuracy' else 'next-token prediction'}, {config.model}, "
              f"C = {config.num_clients}, N = {config.clients_per_round} unless given, T = {config.num_rounds}, "
              f"K = {config.local_steps} local {config.local_optimizer} steps at lr {config.lr:g}, clip "
