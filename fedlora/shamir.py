@@ -1,0 +1,84 @@
+"""Shamir reconstruction for the server's unmask stage of secure aggregation, free of Flower: it reads the shares
+Flower's ``create_shares`` writes (PyCryptodome's Shamir over GF(2^128), each share a 4-byte little-endian index then
+16 bytes per chunk of the PKCS#7-padded secret) and returns what Flower's ``combine_shares`` returns.
+
+Why not Flower's: the server rebuilds every summed client's secret from the same survivors' shares, and PyCryptodome
+computes each secret's Lagrange coefficients anew with a constant-time multiplication, O(k^2) of them per 16 bytes:
+0.7 s per secret at k = 100 shares on this machine, a minute a round at N = 100. The coefficients depend only on the
+share indices, which every secret of a round shares: computed once per set of indices, each secret then costs k
+multiplications. The multiplication loops over the bits of the public coefficient, not of the share.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+MASK = (1 << 128) - 1
+BLOCK = 16  # bytes of one GF(2^128) element: a chunk of the padded secret
+
+
+def gf_mul(a: int, b: int) -> int:
+    """a b in GF(2^128) modulo x^128 + x^7 + x^2 + x + 1 (PyCryptodome's field: bit i the coefficient of x^i)."""
+    product = 0
+    while b:
+        if b & 1:
+            product ^= a
+        a <<= 1
+        b >>= 1
+    for _ in range(2):  # x^128 = x^7 + x^2 + x + 1: fold the high half down twice (255 bits, then 134)
+        high = product >> 128
+        product = (product & MASK) ^ high ^ (high << 1) ^ (high << 2) ^ (high << 7)
+    return product
+
+
+def gf_inverse(a: int) -> int:
+    """a^-1 = a^(2^128 - 2) in GF(2^128), by squaring and multiplying."""
+    if a == 0:
+        raise ValueError("0 has no inverse")
+    result, power = 1, a
+    exponent = (1 << 128) - 2
+    while exponent:
+        if exponent & 1:
+            result = gf_mul(result, power)
+        power = gf_mul(power, power)
+        exponent >>= 1
+    return result
+
+
+@lru_cache(maxsize=16)
+def lagrange_at_zero(indices: tuple[int, ...]) -> tuple[int, ...]:
+    """The coefficients c_j with f(0) = sum_j c_j f(x_j) for any polynomial f of degree below len(indices); in
+    characteristic 2 subtraction is addition: c_j = prod_{m != j} x_m / (x_j + x_m)."""
+    if len(set(indices)) != len(indices) or 0 in indices:
+        raise ValueError("the shares' indices must be distinct and non-zero")
+    coefficients = []
+    for j, x_j in enumerate(indices):
+        numerator = denominator = 1
+        for m, x_m in enumerate(indices):
+            if m != j:
+                numerator = gf_mul(numerator, x_m)
+                denominator = gf_mul(denominator, x_j ^ x_m)
+        coefficients.append(gf_mul(numerator, gf_inverse(denominator)))
+    return tuple(coefficients)
+
+
+def combine_shares(shares: list[bytes]) -> bytes:
+    """The secret the shares were split from (with at least the threshold of them); ValueError where they do not
+    decode to a padded secret, as with Flower's."""
+    if not shares or (len(shares[0]) - 4) % BLOCK or any(len(s) != len(shares[0]) for s in shares):
+        raise ValueError("Failed to combine shares: they are not shares of one secret")
+    coefficients = lagrange_at_zero(tuple(int.from_bytes(s[:4], "little") for s in shares))
+    padded = b"".join(
+        _combine_chunk(coefficients, [int.from_bytes(s[start:start + BLOCK], "big") for s in shares])
+        for start in range(4, len(shares[0]), BLOCK))
+    padding = padded[-1] if padded else 0
+    if not 1 <= padding <= BLOCK or padded[-padding:] != bytes([padding]) * padding:
+        raise ValueError("Failed to combine shares")
+    return padded[:-padding]
+
+
+def _combine_chunk(coefficients: tuple[int, ...], values: list[int]) -> bytes:
+    secret = 0
+    for c, y in zip(coefficients, values, strict=True):
+        secret ^= gf_mul(y, c)  # the loop runs over c's bits: public, as the indices are
+    return secret.to_bytes(BLOCK, "big")
