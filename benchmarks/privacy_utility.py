@@ -319,9 +319,28 @@ def _other_observers(result: dict, placement: str) -> str:
 LATE = 3  # evaluations averaged for the steadier reading: a private run's model moves from one evaluation to the next
 
 
+def _late_rounds(result: dict, metric: str = "accuracy") -> list[int]:
+    """The rounds of a run's last LATE evaluations in the later half of its rounds (the text preset evaluates 3
+    times in 15 rounds: its first, at round 5, is not a late reading)."""
+    values = result[metric]
+    return [i + 1 for i, a in enumerate(values) if a is not None and 2 * (i + 1) > len(values)][-LATE:]
+
+
 def _late(result: dict, metric: str = "accuracy") -> float:
-    """A run's mean test accuracy (or perplexity) over its last LATE evaluations."""
-    return statistics.mean([a for a in result[metric] if a is not None][-LATE:])
+    """A run's mean test accuracy (or perplexity) over its late evaluations."""
+    return statistics.mean(result[metric][r - 1] for r in _late_rounds(result, metric))
+
+
+def baseline(config: RunConfig, metric: str) -> tuple[str, float] | None:
+    """The line the frontier is read against: a classifier's chance accuracy; a language model's zero-shot test
+    perplexity, the public model's before any private text, as benchmarks/text_ceiling.py measured it."""
+    if metric == "accuracy":
+        chance = config.task.chance(config)
+        return ("chance", chance) if chance else None
+    measured = RESULTS / "text_ceiling.json"
+    rows = json.loads(measured.read_text()) if measured.is_file() else []
+    zero_shot = [r["perplexity"] for r in rows if r["model"] == config.model and r["steps"] == 0]
+    return ("zero-shot", zero_shot[0]) if zero_shot else None
 
 
 def utility_metric(config: RunConfig) -> str:
@@ -414,11 +433,11 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         return
     config: RunConfig = load_config(preset)
     metric = utility_metric(config)
-    chance = config.task.chance(config)
+    line = baseline(config, metric)
     rows = []
-    late_rounds: dict[int, list[int]] = {}  # T -> the rounds of its last evaluations
+    late_rounds: dict[int, list[int]] = {}  # T -> the rounds of its late evaluations
     for (part, strategy, placement, eps, n, rounds), results in groups.items():
-        late_rounds[rounds] = [i + 1 for i, a in enumerate(results[0][metric]) if a is not None][-LATE:]
+        late_rounds[rounds] = _late_rounds(results[0], metric)
         mean, spread = _summary([r[metric][-1] for r in results])
         late, late_spread = _summary([_late(r, metric) for r in results])
         rows.append({"part": part, "strategy": strategy, "placement": placement,
@@ -441,13 +460,15 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
         writer.writeheader()
         # rounded here only: the tables format the exact means (rounding twice can move the third digit)
         writer.writerows({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in rows)
-    _plot(rows, chance, name, config.num_clients, metric,
+    _plot(rows, line, name, config.num_clients, metric,
           f"{reproduce.replace('`', '')} · commit {revision()}")
 
     def kib(value):
         return "never" if value is None else f"{value / 1024:.0f} KiB"
 
     setting = f"the {preset} preset's" if preset else "the quickstart's"
+    # the cohort part's run at the preset's N is the frontier's own: alone it is no curve
+    against_n = len({r["n"] for r in rows if r["part"] == "cohort"}) > 1
     against_t = sorted((r for r in rows if r["part"] == "rounds"),
                        key=lambda r: (r["strategy"], float(r["epsilon"]), r["rounds"]))
     lines = [f"# Privacy-utility frontier at {setting} setting", "",
@@ -465,18 +486,19 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
              "convention, whose epsilon reads smaller for the same noise); "
              f"clients send {'updates (FlexLoRA: the change of each product B A) applied by server SGD' if config.message == 'update' else 'their adapters'}. Final test "
              f"{metric} after T rounds: mean ± half the range over the seeds"
-             f"{f' (chance {chance:.2f})' if chance else ''}. Upload to reach "
+             f"{f' ({line[0]} {line[1]:.2f})' if line else ''}. Upload to reach "
              f"a{'' if metric == 'perplexity' else 'n'} {metric}: bytes one sampled client sends per round times the "
              "rounds until the global model first "
-             f"reaches it (first seed). Last {LATE} evaluations: each run's mean {metric} at rounds "
-             f"{', '.join(map(str, late_rounds.get(config.num_rounds, [])))}, the steadier reading where a private "
-             "model moves from one evaluation to the next (mean ± half the range over the seeds).", "",
+             f"reaches it (first seed). Late evaluations: each run's mean {metric} at rounds "
+             f"{', '.join(map(str, late_rounds.get(config.num_rounds, [])))} (at most its last {LATE} evaluations, "
+             "those in the later half of the rounds), the steadier reading where a private model moves from one evaluation to "
+             "the next (mean ± half the range over the seeds).", "",
              "## At a glance", "",
              f"Final test {metric}, mean over the seeds (how many in brackets); noise: where it is added, each "
              "epsilon against observers of the model (the table below names every threat model).", "",
              *_at_a_glance(rows, metric), "",
              f"## {metric.capitalize()} against epsilon", "",
-             f"| strategy | epsilon (threat model, noise placement) | {metric} | last {LATE} evaluations | z | "
+             f"| strategy | epsilon (threat model, noise placement) | {metric} | late evaluations | z | "
              "upload / client round | " + " | ".join(f"to {a:g}" for a in reach) + " |",
              "|---|---|---:|---:|---:|---:|" + "---:|" * len(reach),
              *[f"| {r['strategy']} | {r['epsilon']} ({r['threat_model']}"
@@ -486,28 +508,30 @@ def write_results(runs: list[dict], done: dict, preset: str | None = None) -> No
                f"{r['bytes_per_client_round'] / 1024:.1f} KiB | "
                + " | ".join(kib(r[f"upload_to_{a:g}"]) for a in reach) + " |"
                for r in rows if r["part"] == "frontier"],
-             "", f"## {metric.capitalize()} against N (C fixed), epsilon 8 (known-sketch, noise at the server)", "",
-             f"| strategy | N | {metric} | last {LATE} evaluations | z |", "|---|---:|---:|---:|---:|",
-             *[f"| {r['strategy']} | {r['n']} | {_pm(r[metric], r['spread'])} (n={r['seeds']}) | "
-               f"{_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} |"
-               for r in rows if r["part"] == "cohort"],
+             *(["", f"## {metric.capitalize()} against N (C fixed), epsilon 8 (known-sketch, noise at the server)",
+                "", f"| strategy | N | {metric} | late evaluations | z |", "|---|---:|---:|---:|---:|",
+                *[f"| {r['strategy']} | {r['n']} | {_pm(r[metric], r['spread'])} (n={r['seeds']}) | "
+                  f"{_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} |"
+                  for r in rows if r["part"] == "cohort"]] if against_n else []),
              *(["", f"## {metric.capitalize()} against T (the same budget over fewer rounds), epsilon "
                 f"({against_t[0]['threat_model'] if against_t else ''})", "",
                 f"The budget spread over T rounds: fewer rounds, less noise each (z). Evaluated every T / "
                 f"{config.num_rounds // config.eval_every} rounds: "
-                + "; ".join(f"T = {t}: the last {LATE} at rounds {', '.join(map(str, late_rounds[t]))}"
+                + "; ".join(f"T = {t}: the late ones at rounds {', '.join(map(str, late_rounds[t]))}"
                             for t in sorted({r['rounds'] for r in against_t})) + ".", "",
-                f"| strategy | epsilon | T | {metric} | last {LATE} evaluations | z |",
+                f"| strategy | epsilon | T | {metric} | late evaluations | z |",
                 "|---|---:|---:|---:|---:|---:|",
                 *[f"| {r['strategy']} | {r['epsilon']} | {r['rounds']} | {_pm(r[metric], r['spread'])} "
                   f"(n={r['seeds']}) | {_pm(r[f'late_{metric}'], r['late_spread'])} | {r['noise_multiplier']:g} |"
                   for r in against_t]] if against_t else []),
-             "", f"![{metric} against epsilon]({name}_epsilon.png)", f"![{metric} against N]({name}_cohort.png)", ""]
+             "", f"![{metric} against epsilon]({name}_epsilon.png)",
+             *([f"![{metric} against N]({name}_cohort.png)"] if against_n else []), ""]
     (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 
-def _plot(rows: list[dict], chance: float | None, name: str, num_clients: int, metric: str, source: str) -> None:
+def _plot(rows: list[dict], line: tuple[str, float] | None, name: str, num_clients: int, metric: str,
+          source: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -515,8 +539,11 @@ def _plot(rows: list[dict], chance: float | None, name: str, num_clients: int, m
     import matplotlib.ticker
 
     frontier = [r for r in rows if r["part"] == "frontier"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
-    for ax, placement in zip(axes, PLACEMENTS):
+    # a panel per placement run (the text frontier runs none at the client)
+    placements = [p for p in PLACEMENTS if any(r["placement"] == p for r in frontier)] or ["server"]
+    fig, axes = plt.subplots(1, len(placements), figsize=(5 * len(placements), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, placement in zip(axes, placements):
         for strategy in PRIVATE:
             points = sorted((float(r["epsilon"]), r[metric], r["spread"]) for r in frontier
                             if r["strategy"] == strategy and r["placement"] == placement)
@@ -528,19 +555,25 @@ def _plot(rows: list[dict], chance: float | None, name: str, num_clients: int, m
             if ref:
                 ax.axhline(ref[0], ls="--", lw=1, color="grey" if reference == "ffa-lora" else "black",
                            label=f"{reference} (not private)")
-        if chance:
-            ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+        if line:
+            ax.axhline(line[1], ls=":", color="red", lw=1, label=line[0])
         where = "noise in shares under SecAgg+" if placement == "secagg" else f"noise at the {placement}"
         ax.set(xscale="log", xlabel="epsilon (delta 1e-5)", title=where)
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"final test {metric}")
+    axes[0].set_ylabel(f"final test {metric}" + (" (lower is better)" if metric == "perplexity" else ""))
+    if metric == "perplexity":  # epsilon 1 can end far above the zero-shot: a log axis keeps the rest readable
+        axes[0].set_yscale("log")
+        for ticks in (axes[0].yaxis.set_major_formatter, axes[0].yaxis.set_minor_formatter):
+            ticks(matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}"))
     labelled = {label: handle for ax in axes for handle, label in zip(*ax.get_legend_handles_labels())}
     axes[-1].legend(labelled.values(), labelled.keys(), fontsize=7)  # every strategy, wherever it was drawn
     save_figure(fig, f"{name}_epsilon.png", source)
 
     cohort = [r for r in rows if r["part"] == "cohort"]
+    if len({r["n"] for r in cohort}) < 2:  # the preset's N alone (the frontier's runs) is no curve
+        return
     fig, ax = plt.subplots(figsize=(6, 4))
     for strategy in (*COHORT_STRATEGIES, REFERENCE["ffa"]):
         points = sorted((r["n"], r[metric], r["spread"]) for r in cohort if r["strategy"] == strategy)
@@ -548,8 +581,8 @@ def _plot(rows: list[dict], chance: float | None, name: str, num_clients: int, m
             xs, ys, es = zip(*points)
             ax.errorbar(xs, ys, yerr=es, marker="o", capsize=3,
                         label=strategy + ("" if strategy in COHORT_STRATEGIES else " (not private)"))
-    if chance:
-        ax.axhline(chance, ls=":", color="red", lw=1, label="chance")
+    if line:
+        ax.axhline(line[1], ls=":", color="red", lw=1, label=line[0])
     ax.set(xscale="log", xlabel=f"clients per round N (C = {num_clients})", ylabel=f"final test {metric}",
            title="epsilon 8, noise at the server")
     ax.set_xticks(COHORTS, [str(n) for n in COHORTS])
