@@ -270,12 +270,16 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
     def echo(line: str) -> None:
         print(f"    [{key}] {line}", flush=True)
 
+    commit = revision()
     with tempfile.TemporaryDirectory() as tmp:
         out = run_dir(run_dirs, key) if run_dirs else Path(tmp) / "run"
         resumed = (out / STATE_FILE).is_file()
         if resumed and Checkpoint.load(out).status in ENDED:  # it ended before the store was written, or came
             rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]  # from `fedlora run`
+            commit = "not recorded (found finished on disk)"
         else:
+            if resumed:  # its earlier rounds may have run at another commit: a run directory records none
+                commit += " (the launch that finished it)"
             if resumed:
                 echo(f"resuming from {out}")
             rows = run_inprocess(config, out, echo=echo, resume=resumed)
@@ -283,9 +287,11 @@ def _run_one(key: str, config: RunConfig, run_dirs: Path | None) -> tuple[str, d
     return key, {"accuracy": [r["accuracy"] for r in rows], **perplexity, "epsilon": rows[-1]["epsilon"],
                  "threat_model": rows[-1]["threat_model"],
                  "epsilon_by_observer": rows[-1].get("epsilon_by_observer", {}), "noise_multiplier": rows[-1]["noise_multiplier"],
-                 "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(), "commit": revision(),
-                 # a run found on disk, finished or continued: the seconds its rounds took, not this launch's
-                 "seconds": sum(r["seconds"] for r in rows) if resumed else time.time() - started,
+                 "bytes_up": [r["bytes_up"] for r in rows], "machine": machine(), "commit": commit,
+                 # a run found on disk, finished or continued: the seconds its rounds took (and its launches'
+                 # start-up, where `fedlora run` recorded it), not this launch's
+                 "seconds": sum(r["seconds"] + r.get("fixed_seconds", 0.0) for r in rows) if resumed
+                 else time.time() - started,
                  **({"resumed": True} if resumed else {})}
 
 
@@ -337,8 +343,8 @@ def baseline(config: RunConfig, metric: str) -> tuple[str, float] | None:
     if metric == "accuracy":
         chance = config.task.chance(config)
         return ("chance", chance) if chance else None
-    measured = RESULTS / "text_ceiling.json"
-    rows = json.loads(measured.read_text()) if measured.is_file() else []
+    measured = RESULTS / "text_ceiling.json"  # of the King James Bible's test chapters, the only text it measures
+    rows = json.loads(measured.read_text()) if measured.is_file() and config.dataset == "bible-kjv" else []
     zero_shot = [r["perplexity"] for r in rows if r["model"] == config.model and r["steps"] == 0]
     return ("zero-shot", zero_shot[0]) if zero_shot else None
 

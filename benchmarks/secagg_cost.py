@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -44,22 +45,24 @@ def measure(n: int, placement: str, rounds: int) -> dict:
 
 
 def shamir_seconds(n: int, threshold: int) -> tuple[float, float]:
-    """Seconds for Flower's Shamir split of one client's key (each client, every round) and for the server's
-    reconstruction of a round's n keys from threshold holders each (fedlora.shamir: the coefficients once a round,
-    then n multiplications per key; each key costs the same, so one key's shares stand for all)."""
+    """Seconds for a client's Flower Shamir split of its key and its mask seed (each client, every round) and for the
+    server's reconstruction of the round's n mask seeds from all n survivors' shares (fedlora.shamir: the
+    coefficients once a round, then n multiplications per 16 bytes; every seed costs the same, so one seed's shares
+    stand for all)."""
     from flwr.common.secure_aggregation.crypto.shamir import create_shares
     from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key_to_bytes
 
     from fedlora.shamir import combine_shares, lagrange_at_zero
 
-    key = private_key_to_bytes(generate_key_pairs()[0])
+    key, seed = private_key_to_bytes(generate_key_pairs()[0]), os.urandom(32)  # as secaggplus_mod's
     started = time.perf_counter()
-    shares = create_shares(key, threshold, n)
+    create_shares(key, threshold, n)
+    shares = create_shares(seed, threshold, n)
     split = time.perf_counter() - started
     lagrange_at_zero.cache_clear()
     started = time.perf_counter()
     for _ in range(n):
-        combine_shares(shares[:threshold])
+        combine_shares(shares)
     return split, time.perf_counter() - started
 
 
@@ -78,7 +81,7 @@ def main() -> None:
     done = json.loads(STORE.read_text()) if STORE.is_file() else {}
     for n in cohorts:
         row = {placement: measure(n, placement, args.rounds) for placement in PLACEMENTS}  # side by side
-        row["shamir_split_seconds"], row["shamir_combine_round_seconds"] = shamir_seconds(n, row["secagg"]["min_replies"])
+        row["client_shamir_seconds"], row["server_shamir_seconds"] = shamir_seconds(n, row["secagg"]["min_replies"])
         row.update(commit=revision(), command=command_line("benchmarks.secagg_cost"))
         done[str(n)] = row
         print(f"N = {n}: {row['server']['seconds_per_round']:.2f} s per round with noise at the server, "
@@ -99,7 +102,7 @@ def write_table(done: dict) -> None:
              "Each N's two runs were measured side by side; its commit and command are in secagg_cost.json.", "",
              "| N | seconds / round, noise at the server | under SecAgg+ | ratio | client privatize (s), server / SecAgg+ | "
              "bytes up / client, server placement | under SecAgg+ | bytes down / client (protocol only) | N_min | "
-             "Shamir: a client's split of a key / the server's reconstruction of the round's N keys (s) |",
+             "Shamir: a client's split of its key and seed / the server's reconstruction of the round's N seeds (s) |",
              "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for key in sorted(done, key=int):
         s, a = done[key]["server"], done[key]["secagg"]
@@ -108,14 +111,14 @@ def write_table(done: dict) -> None:
                      f"{a['client_privatize_seconds']:.3f} | "
                      f"{s['bytes_up_per_client'] / 1024:.1f} KiB | {a['bytes_up_per_client'] / 1024:.1f} KiB | "
                      f"{(a['bytes_down_per_client'] - s['bytes_down_per_client']) / 1024:.1f} KiB | "
-                     f"{a['min_replies']} | {_seconds(done[key], 'shamir_split_seconds')} / "
-                     f"{_seconds(done[key], 'shamir_combine_round_seconds')} |")
+                     f"{a['min_replies']} | {_seconds(done[key], 'client_shamir_seconds')} / "
+                     f"{_seconds(done[key], 'server_shamir_seconds')} |")
     lines += ["", "Where the time goes at large N: every client splits its key and mask seed into N Shamir shares of "
               "threshold N_min (Flower's `create_shares`, PyCryptodome's GF(2^128) arithmetic in Python: O(N N_min) "
               "per client, all clients one after the other here, in parallel on real devices), and the server "
-              "combines N_min shares per client (fedlora.shamir: the Lagrange coefficients once a round, O(N_min^2), "
-              "then O(N_min) per client; rows without that column were measured with Flower's combine, O(N_min^2) "
-              "per client, in secagg_cost.json). SecAgg+ with fewer neighbours than N (its "
+              "combines the survivors' shares of each client's seed (fedlora.shamir: the Lagrange coefficients once a "
+              "round, O(N^2), then O(N) per client; rows with \"-\" were measured as one key's split and Flower's "
+              "combine of N_min shares, O(N_min^2) per client: in secagg_cost.json). SecAgg+ with fewer neighbours than N (its "
               "`num_shares`) is the known remedy; fedlora uses every client as a neighbour so far.", "",
               "SecAgg+ sends each entry as a masked 64-bit integer (the server placement: 32-bit floats), plus two "
               "public keys, one encrypted share pair per other client and, at the unmask stage, one share per "

@@ -154,7 +154,11 @@ def secure_sum(grid: Grid, contents: Mapping[int, RecordDict], *, shapes: Mappin
         return stop(f"too few shares to unmask {len(short)} clients' vectors")
     dims = [tuple(s) for s in expected]
     for node in keyed:
-        secret = combine_shares(shares[node])
+        try:
+            secret = combine_shares(shares[node])
+        except ValueError as error:  # a survivor's malformed share: no mask to remove, so no sum
+            return stop(f"the shares of client {node}'s {'mask seed' if node in summed else 'key'} do not combine "
+                        f"({error})")
         if node in summed:  # its own mask, from its seed
             masked = [np.mod(a - b, MASK_MODULUS) for a, b in zip(masked, pseudo_rand_gen(secret, MASK_MODULUS, dims))]
             continue

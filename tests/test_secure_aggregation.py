@@ -90,3 +90,21 @@ def test_fewer_vectors_than_the_threshold_are_never_unmasked():
     assert result.total is None and "2 masked vectors arrived, 3 needed" in result.reason
     stages = [m.content.config_records[RECORD_KEY_CONFIGS] for m in grid.received if m.has_content()]
     assert not any(Key.SHARE_LIST in s for s in stages)  # the unmask stage never ran
+
+
+def test_shares_that_do_not_combine_stop_the_round_with_the_reason():
+    """A survivor's unmask reply whose shares are malformed (here a stray byte each) leaves a mask that cannot be
+    removed: the round stops with the reason, as with too few shares, rather than ending the run in a traceback."""
+    nodes = [1, 2, 3, 4]
+    honest = _client_app(_vectors(nodes))
+
+    def app(msg, context):
+        reply = honest(msg, context)
+        config = reply.content.config_records[RECORD_KEY_CONFIGS]
+        if context.node_id == 2 and Key.SHARE_LIST in config:
+            config[Key.SHARE_LIST] = [bytes(share) + b"\0" for share in config[Key.SHARE_LIST]]
+        return reply
+
+    result = secure_sum(InProcessGrid(app, len(nodes), {}), {n: RecordDict() for n in nodes}, shapes=SHAPES,
+                        threshold=3, half_range=HALF_RANGE, timeout=None, group_id="1")
+    assert result.total is None and "mask seed do not combine (Failed to combine shares" in result.reason
