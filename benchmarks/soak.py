@@ -118,15 +118,30 @@ class Sampler(threading.Thread):
                 row["dir_bytes"] = dir_bytes(self.out)
 
 
+def settings(mode: str, rounds: int, config: str | None, deployment_nodes: int = DEPLOY_NODES) -> dict:
+    """What the soak sets over the small federation (without ``config``) or the preset: its rounds, an evaluation
+    every tenth of them, and a deployment's SuperNodes, every node every round."""
+    nodes = {"num-clients": deployment_nodes, "clients-per-round": deployment_nodes} if mode == "deployment" else {}
+    return {**({} if config else SMALL), **nodes, "num-rounds": rounds, "eval-every": max(rounds // 10, 1)}
+
+
+def federation(mode: str, config: str | None, sets: list[str], deployment_nodes: int = DEPLOY_NODES) -> str:
+    """The federation a mode's run soaked, in words, for its table."""
+    what = (f"the {config} preset" if config else "the small model and cohort (the tiny ViT at 32 px, LoRA r = 4, "
+            "noise at the client)") + "".join(f", --set {s}" for s in sets)
+    if mode == "deployment":
+        return f"{what}; {deployment_nodes} SuperNode{'s' * (deployment_nodes > 1)} on loopback, every node every round"
+    clients = "" if config else f"; {SMALL['num-clients']} clients, {SMALL['clients-per-round']} a round"
+    return what + clients
+
+
 def launch(mode: str, out: Path, rounds: int, config: str | None, sets: list[str], plant_leak: int,
            deployment_nodes: int = DEPLOY_NODES, echo=print) -> tuple[int, dict[int, dict], float]:
     """One run of ``mode`` into ``out``; (its exit code, the sampler's rounds, seconds)."""
     fedlora = str(Path(sys.executable).parent / "fedlora")
-    settings = {**SMALL, **({"num-clients": deployment_nodes, "clients-per-round": deployment_nodes}
-                            if mode == "deployment" else {}), "num-rounds": rounds, "eval-every": max(rounds // 10, 1)}
     args = [fedlora, "run" if mode == "simulation" else "deploy", "--out", str(out)]
     args += ["--config", config] if config else []
-    args += [f"--set={k}={v}" for k, v in settings.items()] if not config else []
+    args += [f"--set={k}={v}" for k, v in settings(mode, rounds, config, deployment_nodes).items()]
     args += [f"--set={s}" for s in sets]
     env = dict(os.environ)
     site = tempfile.TemporaryDirectory(prefix="soak-leak-")
@@ -207,9 +222,7 @@ def with_committed_modes(results: dict, committed: Path) -> dict:
 
 def write_results(results: dict) -> None:
     lines = ["# Memory over long runs: RSS by role and the run directory, round by round", "",
-             "Small model and cohort (the tiny ViT at 32 px, LoRA r = 4, noise at the client): simulation with "
-             f"{SMALL['num-clients']} clients, {SMALL['clients-per-round']} a round, and a deployment's SuperNodes "
-             "on loopback, every node every round; evaluated every tenth of the run. RSS sampled from "
+             "Each mode's federation is named under it; evaluated every tenth of the run. RSS sampled from "
              f"outside every {SAMPLE_SECONDS} s; per round the least seen between its end and the next's (the "
              "deployment's ClientApps, a process a message: the most); a line "
              f"fitted after the first {WARM_UP:.0%} of the rounds (the interval: least squares', rounds taken as "
@@ -218,7 +231,8 @@ def write_results(results: dict) -> None:
         a = run["analysis"]
         nodes = f" of {run['nodes']} SuperNode{'s' * (run['nodes'] > 1)}" if mode == "deployment" else ""
         lines += [f"## {mode.capitalize()}: {run['rounds_done']} rounds{nodes} in {run['seconds'] / 60:.1f} min, "
-                  f"exit {run['code']}", "", f"Command: `{run['command']}` at {run['commit']}  ",
+                  f"exit {run['code']}", "", f"Federation: {run.get('federation') or federation(mode, None, [], run['nodes'])}  ",
+                  f"Command: `{run['command']}` at {run['commit']}  ",
                   f"Machine: {run['machine']}" + (f"; a leak of {run['plant_leak_mib']} MiB a round planted in the "
                                                   "server" if run["plant_leak_mib"] else "") + "  ",
                   f"Verdict: {verdict(a)}.", ""]
@@ -282,7 +296,8 @@ def soak(work: Path, *, modes: tuple[str, ...], rounds: int, config: str | None 
                                         echo)
         analysis = analyse(samples, total, tolerance, by_most=("ClientApp",))
         out["modes"][mode] = {**made, "code": code, "seconds": seconds,
-                              "nodes": deployment_nodes if mode == "deployment" else SMALL["num-clients"],
+                              "federation": federation(mode, config, list(sets), deployment_nodes),
+                              "nodes": deployment_nodes if mode == "deployment" else None if config else SMALL["num-clients"],
                               "rounds": total, "rounds_done": rounds_done(work / mode),
                               "analysis": analysis, "samples": {str(r): v for r, v in sorted(samples.items())}}
         echo(f"{mode}: exit {code}, {rounds_done(work / mode)} rounds in {seconds:.0f} s; {verdict(analysis)}")

@@ -49,3 +49,27 @@ def test_a_planted_per_round_leak_in_the_server_is_found_and_a_run_without_it_is
     assert clean["code"] == 0
     assert not any(fit["grows"] for fit in clean["analysis"]["roles"].values()), clean["analysis"]
     assert 0 < clean["analysis"]["dir"]["slope"] < 64 * 1024  # metrics, events and logs: KiB a round
+
+
+def test_a_preset_soaks_for_the_rounds_asked_and_its_table_names_it(tmp_path, monkeypatch):
+    """With --config the soak runs the preset for --rounds (not the preset's own T), a deployment on its SuperNodes,
+    and each mode's table names the federation it soaked (the small one's description was printed for any)."""
+    import benchmarks.soak as soak_module
+    from benchmarks.soak import federation, settings
+
+    assert settings("simulation", 400, "bible") == {"num-rounds": 400, "eval-every": 40}
+    assert settings("deployment", 100, "bible", 3) == {"num-clients": 3, "clients-per-round": 3, "num-rounds": 100,
+                                                       "eval-every": 10}
+    assert settings("simulation", 300, None)["num-clients"] == 6  # the small federation
+    runs = {mode: {"command": "c", "commit": "x", "machine": "m", "plant_leak_mib": 0, "code": 0, "seconds": 60.0,
+                   "nodes": 2 if mode == "deployment" else None, "rounds": 30, "rounds_done": 30,
+                   "federation": federation(mode, "bible", ["lr=0.002"], 2),
+                   "analysis": {"error": "too few rounds"}, "samples": {}} for mode in ("simulation", "deployment")}
+    monkeypatch.setattr(soak_module, "RESULTS", tmp_path)
+    monkeypatch.setattr(soak_module, "_plot", lambda results: None)
+    monkeypatch.setattr(soak_module, "verdict", lambda analysis: analysis["error"])
+    soak_module.write_results({"tolerance_mib": 0.05, "modes": runs})
+    table = (tmp_path / "soak.md").read_text()
+    assert "Federation: the bible preset, --set lr=0.002  \n" in table
+    assert "Federation: the bible preset, --set lr=0.002; 2 SuperNodes on loopback, every node every round  \n" in table
+    assert "tiny ViT" not in table
