@@ -117,9 +117,12 @@ def write_table(done: dict) -> None:
               "threshold N_min (Flower's `create_shares`, PyCryptodome's GF(2^128) arithmetic in Python: O(N N_min) "
               "per client, all clients one after the other here, in parallel on real devices), and the server "
               "combines the survivors' shares of each client's seed (fedlora.shamir: the Lagrange coefficients once a "
-              "round, O(N^2), then O(N) per client; rows with \"-\" were measured as one key's split and Flower's "
-              "combine of N_min shares, O(N_min^2) per client: in secagg_cost.json). SecAgg+ with fewer neighbours than N (its "
-              "`num_shares`) is the known remedy; fedlora uses every client as a neighbour so far.", "",
+              "round, O(N^2), then O(N) per client"
+              + ("; rows with \"-\" were measured as one key's split and Flower's combine of N_min shares, "
+                 "O(N_min^2) per client: in secagg_cost.json" if any("client_shamir_seconds" not in row
+                                                                    for row in done.values()) else "")
+              + "). SecAgg+ with fewer neighbours than N (its `num_shares`) is the known remedy; fedlora uses every "
+              "client as a neighbour so far.", "",
               "SecAgg+ sends each entry as a masked 64-bit integer (the server placement: 32-bit floats), plus two "
               "public keys, one encrypted share pair per other client and, at the unmask stage, one share per "
               "client: the upload grows with N, as every client is every other's neighbour here.", ""]

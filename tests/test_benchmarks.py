@@ -526,3 +526,20 @@ def test_the_text_table_refuses_bad_input_in_one_line_before_any_run(argv, messa
     assert table.main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_the_secagg_cost_table_explains_its_dashes_only_when_a_row_has_them(tmp_path, monkeypatch):
+    from benchmarks import secagg_cost
+
+    monkeypatch.setattr(secagg_cost, "RESULTS", tmp_path)
+    placement = {"seconds_per_round": 1.0, "client_privatize_seconds": 0.001, "bytes_up_per_client": 1024,
+                 "bytes_down_per_client": 0}
+    row = {"server": placement, "secagg": {**placement, "min_replies": 3}, "client_shamir_seconds": 0.01,
+           "server_shamir_seconds": 0.02}
+    secagg_cost.write_table({"4": row})
+    table = (tmp_path / "secagg_cost.md").read_text()
+    assert "| 4 | 1.00 | 1.00 | 1.00 |" in table and "0.01 / 0.02 |" in table and 'rows with "-"' not in table
+    old = {k: v for k, v in row.items() if not k.endswith("shamir_seconds")}
+    secagg_cost.write_table({"4": row, "16": old})
+    table = (tmp_path / "secagg_cost.md").read_text()
+    assert "| 3 | - / - |" in table and 'rows with "-" were measured as one key\'s split' in table
