@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shlex
@@ -63,6 +64,40 @@ def machine() -> str:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (f"{cpu}, {os.cpu_count()} cores, {gpu}; Python {platform.python_version()}, torch {torch.__version__}, "
             f"{torch.get_num_threads()} torch threads")
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int, name: str, **options):
+    """A pool of ``workers`` spawned processes that SIGTERM ends with it. `kill` reaches only this process, and the
+    pool's shutdown would wait for the runs in flight: the workers would compute on, unseen, beside whatever runs
+    next. So SIGTERM ends their process trees first, then this command, with one line on how to continue."""
+    import concurrent.futures
+    import multiprocessing
+    import signal
+
+    import psutil
+
+    from fedlora.reaper import end_trees
+
+    pool = None
+
+    def terminated(signum, frame):
+        processes = []  # the pool's workers, not its resource tracker, which the pool's own shutdown still needs
+        for pid in list(getattr(pool, "_processes", None) or {}):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                processes.append(psutil.Process(pid))
+        end_trees(processes)
+        print(f"{name}: stopped by SIGTERM, its workers with it; what finished is saved: the same command continues",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                                    **options) as pool:
+            yield pool
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def median_seconds(fn, repeats: int) -> float:

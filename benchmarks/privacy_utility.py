@@ -32,7 +32,6 @@ import concurrent.futures
 import csv
 import json
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess, save_figure
+from benchmarks.common import RESULTS, command_line, machine, revision, run_inprocess, save_figure, worker_pool
 from fedlora.algorithms import get_algorithm
 from fedlora.config import RunConfig, load_config
 from fedlora.experiment import noise_for
@@ -202,8 +201,7 @@ def main() -> None:
     todo = list({r["key"]: r for r in todo}.values())  # a run two parts share, once
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     # Workers are spawned processes that return results; only this process writes the store.
-    with concurrent.futures.ProcessPoolExecutor(args.workers, mp_context=multiprocessing.get_context("spawn"),
-                                                initializer=_set_threads, initargs=(threads,)) as pool:
+    with worker_pool(args.workers, "privacy_utility", initializer=_set_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(_run_one, run["key"], run["config"], args.run_dirs): run for run in todo}
         failed = []
         for i, future in enumerate(concurrent.futures.as_completed(futures)):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import RESULTS, provenance, run_inprocess
+from benchmarks.common import RESULTS, provenance, run_inprocess, worker_pool
 from fedlora.checkpoint import Checkpoint
 from fedlora.config import load_config
 from fedlora.experiment import RunRecorder
@@ -157,13 +157,12 @@ def _spread_run(epsilon: float, seed: int, draw: int, variance_factor: float, th
 def spread(seed: int, epsilon: float, draws: int, workers: int) -> dict:
     """How much one run's accuracy moves with its noise draw alone: ``draws`` whole runs per arm."""
     import concurrent.futures
-    import multiprocessing
     import os
 
     threads = max(1, (os.cpu_count() or 1) // workers)
     factors = dict(zip(SPREAD_ARMS, (1.0, _secagg_variance_factor())))
     runs: dict[str, list] = {arm: [None] * draws for arm in SPREAD_ARMS}  # by draw: the arms share each draw
-    with concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+    with worker_pool(workers, "secagg_noise") as pool:
         futures = {pool.submit(_spread_run, epsilon, seed, draw, factor, threads): (arm, draw)
                    for draw in range(draws) for arm, factor in factors.items()}
         for future in concurrent.futures.as_completed(futures):

@@ -548,3 +548,50 @@ def test_the_secagg_cost_table_explains_its_dashes_only_when_a_row_has_them(tmp_
     secagg_cost.write_table({"4": row, "16": old})
     table = (tmp_path / "secagg_cost.md").read_text()
     assert "| 3 | - / - |" in table and 'rows with "-" were measured as one key\'s split' in table
+
+
+def test_sigterm_ends_a_benchmark_s_workers_with_it(tmp_path):
+    """`kill` reaches the benchmark's own process only: its pool ends the spawned workers (which would otherwise
+    compute on beside whatever runs next), then the command, with one line on how to continue."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import psutil
+
+    script = tmp_path / "pooled.py"
+    script.write_text("import os, sys, time\nfrom benchmarks.common import worker_pool\n"
+                      "def work(i):\n"
+                      "    print(os.getpid(), file=sys.stderr, flush=True)\n"
+                      "    time.sleep(600)\n"
+                      "if __name__ == '__main__':\n"
+                      "    with worker_pool(2, 'pooled') as pool:\n"
+                      "        futures = [pool.submit(work, i) for i in range(2)]\n"
+                      "        futures[0].result()\n")
+    root = str(Path(__file__).parents[1])
+    parent = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": root})
+    workers = []
+    try:
+        workers = [psutil.Process(int(parent.stderr.readline())) for _ in range(2)]  # each says it is computing
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not psutil.wait_procs(workers, timeout=5)[1]  # none alive
+        assert ("pooled: stopped by SIGTERM, its workers with it; what finished is saved: the same command "
+                "continues\n") in parent.stderr.read()
+    finally:
+        parent.kill()
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
+
+
+def test_the_text_frontier_sets_no_upload_targets_before_a_non_private_run_has_finished():
+    from benchmarks.privacy_utility import reach_targets
+
+    for line in (("zero-shot", 237.66), None):
+        assert reach_targets({}, "bible", "perplexity", line) == (
+            (), " (none yet: the targets are set from the zero-shot and the non-private run's perplexity)")
