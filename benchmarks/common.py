@@ -67,10 +67,11 @@ def machine() -> str:
 
 
 @contextlib.contextmanager
-def worker_pool(workers: int, name: str, **options):
+def worker_pool(workers: int, name: str, after_stop: str, **options):
     """A pool of ``workers`` spawned processes that SIGTERM ends with it. `kill` reaches only this process, and the
     pool's shutdown would wait for the runs in flight: the workers would compute on, unseen, beside whatever runs
-    next. So SIGTERM ends their process trees first, then this command, with one line on how to continue."""
+    next. So SIGTERM ends their process trees first, then this command, with one line: ``after_stop``, what is kept
+    and how to continue."""
     import concurrent.futures
     import multiprocessing
     import signal
@@ -87,8 +88,7 @@ def worker_pool(workers: int, name: str, **options):
             with contextlib.suppress(psutil.NoSuchProcess):
                 processes.append(psutil.Process(pid))
         end_trees(processes)
-        print(f"{name}: stopped by SIGTERM, its workers with it; what finished is saved: the same command continues",
-              file=sys.stderr, flush=True)
+        print(f"{name}: stopped by SIGTERM, its workers with it; {after_stop}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, terminated)

@@ -201,7 +201,8 @@ def main() -> None:
     todo = list({r["key"]: r for r in todo}.values())  # a run two parts share, once
     threads = max(1, (os.cpu_count() or 1) // args.workers)
     # Workers are spawned processes that return results; only this process writes the store.
-    with worker_pool(args.workers, "privacy_utility", initializer=_set_threads, initargs=(threads,)) as pool:
+    with worker_pool(args.workers, "privacy_utility", "what finished is saved: the same command continues",
+                     initializer=_set_threads, initargs=(threads,)) as pool:
         futures = {pool.submit(_run_one, run["key"], run["config"], args.run_dirs): run for run in todo}
         failed = []
         for i, future in enumerate(concurrent.futures.as_completed(futures)):

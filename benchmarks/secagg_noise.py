@@ -162,7 +162,7 @@ def spread(seed: int, epsilon: float, draws: int, workers: int) -> dict:
     threads = max(1, (os.cpu_count() or 1) // workers)
     factors = dict(zip(SPREAD_ARMS, (1.0, _secagg_variance_factor())))
     runs: dict[str, list] = {arm: [None] * draws for arm in SPREAD_ARMS}  # by draw: the arms share each draw
-    with worker_pool(workers, "secagg_noise") as pool:
+    with worker_pool(workers, "secagg_noise", "the spread is written at its end only: run it again") as pool:
         futures = {pool.submit(_spread_run, epsilon, seed, draw, factor, threads): (arm, draw)
                    for draw in range(draws) for arm, factor in factors.items()}
         for future in concurrent.futures.as_completed(futures):
