@@ -44,26 +44,28 @@ def measure(n: int, placement: str, rounds: int) -> dict:
             "threat_model": rows[-1]["threat_model"]}
 
 
-def shamir_seconds(n: int, threshold: int) -> tuple[float, float]:
-    """Seconds for a client's Flower Shamir split of its key and its mask seed (each client, every round) and for the
-    server's reconstruction of the round's n mask seeds from all n survivors' shares (fedlora.shamir: the
-    coefficients once a round, then n multiplications per 16 bytes; every seed costs the same, so one seed's shares
-    stand for all)."""
-    from flwr.common.secure_aggregation.crypto.shamir import create_shares
+def shamir_seconds(n: int, threshold: int) -> dict:
+    """Seconds for a client's Shamir split of its key and its mask seed (each client, every round), with fedlora.shamir
+    (what the ClientApp's secaggplus_mod runs) and with Flower's own, side by side, and for the server's reconstruction
+    of the round's n mask seeds from all n survivors' shares (fedlora.shamir: the coefficients once a round, then n
+    multiplications per 16 bytes; every seed costs the same, so one seed's shares stand for all)."""
+    from flwr.common.secure_aggregation.crypto import shamir as flower
     from flwr.supercore.primitives.asymmetric import generate_key_pairs, private_key_to_bytes
 
-    from fedlora.shamir import combine_shares, lagrange_at_zero
+    from fedlora import shamir
 
     key, seed = private_key_to_bytes(generate_key_pairs()[0]), os.urandom(32)  # as secaggplus_mod's
-    started = time.perf_counter()
-    create_shares(key, threshold, n)
-    shares = create_shares(seed, threshold, n)
-    split = time.perf_counter() - started
-    lagrange_at_zero.cache_clear()
+    seconds = {}
+    for name, split in (("flower", flower.create_shares), ("fedlora", shamir.create_shares)):
+        started = time.perf_counter()
+        split(key, threshold, n)
+        shares = split(seed, threshold, n)
+        seconds[name] = time.perf_counter() - started
+    shamir.lagrange_at_zero.cache_clear()
     started = time.perf_counter()
     for _ in range(n):
-        combine_shares(shares)
-    return split, time.perf_counter() - started
+        shamir.combine_shares(shares)
+    return {"client_split_seconds": seconds, "server_shamir_seconds": time.perf_counter() - started}
 
 
 def main() -> None:
@@ -81,7 +83,7 @@ def main() -> None:
     done = json.loads(STORE.read_text()) if STORE.is_file() else {}
     for n in cohorts:
         row = {placement: measure(n, placement, args.rounds) for placement in PLACEMENTS}  # side by side
-        row["client_shamir_seconds"], row["server_shamir_seconds"] = shamir_seconds(n, row["secagg"]["min_replies"])
+        row.update(shamir_seconds(n, row["secagg"]["min_replies"]))
         row.update(commit=revision(), command=command_line("benchmarks.secagg_cost"))
         done[str(n)] = row
         print(f"N = {n}: {row['server']['seconds_per_round']:.2f} s per round with noise at the server, "
@@ -91,8 +93,12 @@ def main() -> None:
     write_table(done)
 
 
-def _seconds(row: dict, key: str) -> str:
-    return f"{row[key]:.2f}" if key in row else "-"
+def _shamir(row: dict) -> str:
+    """fedlora's split / Flower's split / the server's reconstruction; rows from before fedlora split timed Flower's
+    split alone (as client_shamir_seconds), rows older still nothing."""
+    split = row.get("client_split_seconds", {"flower": row.get("client_shamir_seconds")})
+    return " / ".join("-" if value is None else f"{value:.2f}"
+                      for value in (split.get("fedlora"), split["flower"], row.get("server_shamir_seconds")))
 
 
 def write_table(done: dict) -> None:
@@ -102,7 +108,8 @@ def write_table(done: dict) -> None:
              "Each N's two runs were measured side by side; its commit and command are in secagg_cost.json.", "",
              "| N | seconds / round, noise at the server | under SecAgg+ | ratio | client privatize (s), server / SecAgg+ | "
              "bytes up / client, server placement | under SecAgg+ | bytes down / client (protocol only) | N_min | "
-             "Shamir: a client's split of its key and seed / the server's reconstruction of the round's N seeds (s) |",
+             "Shamir (s): a client's split of its key and seed, fedlora.shamir (what the clients run) / Flower's; the "
+             "server's reconstruction of the round's N seeds |",
              "|---:|---:|---:|---:|---|---:|---:|---:|---:|---|"]
     for key in sorted(done, key=int):
         s, a = done[key]["server"], done[key]["secagg"]
@@ -111,16 +118,17 @@ def write_table(done: dict) -> None:
                      f"{a['client_privatize_seconds']:.3f} | "
                      f"{s['bytes_up_per_client'] / 1024:.1f} KiB | {a['bytes_up_per_client'] / 1024:.1f} KiB | "
                      f"{(a['bytes_down_per_client'] - s['bytes_down_per_client']) / 1024:.1f} KiB | "
-                     f"{a['min_replies']} | {_seconds(done[key], 'client_shamir_seconds')} / "
-                     f"{_seconds(done[key], 'server_shamir_seconds')} |")
+                     f"{a['min_replies']} | {_shamir(done[key])} |")
     lines += ["", "Where the time goes at large N: every client splits its key and mask seed into N Shamir shares of "
-              "threshold N_min (Flower's `create_shares`, PyCryptodome's GF(2^128) arithmetic in Python: O(N N_min) "
-              "per client, all clients one after the other here, in parallel on real devices), and the server "
-              "combines the survivors' shares of each client's seed (fedlora.shamir: the Lagrange coefficients once a "
-              "round, O(N^2), then O(N) per client"
-              + ("; rows with \"-\" were measured as one key's split and Flower's combine of N_min shares, "
-                 "O(N_min^2) per client: in secagg_cost.json" if any("client_shamir_seconds" not in row
-                                                                    for row in done.values()) else "")
+              "threshold N_min, O(N N_min) per client (fedlora.shamir: Horner by the share's index, every 16-byte "
+              "chunk in one integer; Flower's `create_shares`: PyCryptodome's constant-time GF(2^128) arithmetic in "
+              "Python), all clients one after the other here, in parallel on real devices, and the server combines "
+              "the survivors' shares of each client's seed (fedlora.shamir: the Lagrange coefficients once a round, "
+              "O(N^2), then O(N) per client"
+              + ("; a row's \"-\" was not measured by its commit: its seconds per round are with the clients "
+                 "splitting by Flower's `create_shares`, and rows with no Shamir seconds at all timed one key's split "
+                 "and Flower's combine of N_min shares, O(N_min^2) per client: in secagg_cost.json"
+                 if any("client_split_seconds" not in row for row in done.values()) else "")
               + "). SecAgg+ with fewer neighbours than N (its `num_shares`) is the known remedy; fedlora uses every "
               "client as a neighbour so far.", "",
               "SecAgg+ sends each entry as a masked 64-bit integer (the server placement: 32-bit floats), plus two "

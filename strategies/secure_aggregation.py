@@ -3,7 +3,8 @@
 Flower 1.41's ``SecAggPlusWorkflow`` runs only under the legacy context, so the strategy drives the same four stages
 itself: setup (public keys), share keys (Shamir shares of each client's mask seed and key, encrypted per neighbour),
 collect masked vectors (the round's training; each client's integers arrive masked), unmask (the survivors' shares
-remove the masks). The clients run Flower's own ``secaggplus_mod``; every cryptographic step on this side is Flower's
+remove the masks). The clients run Flower's own ``secaggplus_mod`` (its Shamir split fedlora.shamir's, in Flower's
+format: fedlora.clients.app); every cryptographic step on this side is Flower's
 (``flwr.common.secure_aggregation``: key agreement, mask generation) but Shamir's reconstruction: fedlora.shamir gives
 the same secrets from the same shares, a hundred times faster at N = 100. Every client is every other's neighbour
 (the SecAgg case of SecAgg+), and the reconstruction threshold is the round's min-replies.

@@ -539,15 +539,16 @@ def test_the_secagg_cost_table_explains_its_dashes_only_when_a_row_has_them(tmp_
     monkeypatch.setattr(secagg_cost, "RESULTS", tmp_path)
     placement = {"seconds_per_round": 1.0, "client_privatize_seconds": 0.001, "bytes_up_per_client": 1024,
                  "bytes_down_per_client": 0}
-    row = {"server": placement, "secagg": {**placement, "min_replies": 3}, "client_shamir_seconds": 0.01,
-           "server_shamir_seconds": 0.02}
+    row = {"server": placement, "secagg": {**placement, "min_replies": 3},
+           "client_split_seconds": {"fedlora": 0.01, "flower": 0.5}, "server_shamir_seconds": 0.02}
     secagg_cost.write_table({"4": row})
     table = (tmp_path / "secagg_cost.md").read_text()
-    assert "| 4 | 1.00 | 1.00 | 1.00 |" in table and "0.01 / 0.02 |" in table and 'rows with "-"' not in table
-    old = {k: v for k, v in row.items() if not k.endswith("shamir_seconds")}
-    secagg_cost.write_table({"4": row, "16": old})
+    assert "| 4 | 1.00 | 1.00 | 1.00 |" in table and "| 0.01 / 0.50 / 0.02 |" in table and 'row\'s "-"' not in table
+    flower_only = {**{k: v for k, v in row.items() if k != "client_split_seconds"}, "client_shamir_seconds": 0.6}
+    older = {k: v for k, v in row.items() if not k.endswith("seconds")}
+    secagg_cost.write_table({"4": row, "16": flower_only, "64": older})
     table = (tmp_path / "secagg_cost.md").read_text()
-    assert "| 3 | - / - |" in table and 'rows with "-" were measured as one key\'s split' in table
+    assert "| - / 0.60 / 0.02 |" in table and "| - / - / - |" in table and 'a row\'s "-" was not measured' in table
 
 
 def test_sigterm_ends_a_benchmark_s_workers_with_it(tmp_path):

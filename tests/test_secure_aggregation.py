@@ -1,4 +1,7 @@
-"""SecAgg+ driven from the strategy (strategies/secure_aggregation.py) against Flower's secaggplus_mod, in process."""
+"""SecAgg+ driven from the strategy (strategies/secure_aggregation.py) against Flower's secaggplus_mod, in process, the
+mod splitting with fedlora.shamir as the ClientApp has it."""
+
+import sys
 
 import numpy as np
 import pytest
@@ -7,6 +10,8 @@ from flwr.client.mod import secaggplus_mod
 from flwr.common import bytes_to_ndarray
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
+from fedlora import shamir
+from fedlora.clients import app as client_app  # its import gives the mod fedlora's split, as in every client process
 from fedlora.clients.rounds import secure_reply
 from fedlora.strategies.inprocess_grid import InProcessGrid
 from fedlora.strategies.secure_aggregation import MASK_MODULUS, secure_sum
@@ -52,6 +57,11 @@ def _run(nodes, drop=frozenset(), threshold=3):
 
 def _congruent(total, vectors, nodes):
     return all(not np.mod(total[name] - sum(vectors[n][name] for n in nodes), 2 * HALF_RANGE).any() for name in SHAPES)
+
+
+def test_the_client_app_s_secaggplus_mod_splits_with_fedlora_shamir():
+    assert client_app._mod_module is sys.modules[secaggplus_mod.__module__]
+    assert client_app._mod_module.create_shares is shamir.create_shares
 
 
 def test_the_secure_sum_is_the_plain_sum_and_the_server_sees_no_single_vector():

@@ -1,4 +1,5 @@
-"""fedlora.shamir against Flower's own Shamir: the same secret from the same shares, on every input."""
+"""fedlora.shamir against Flower's own Shamir: the same secret from the same shares, on every input, whichever of the
+two split it."""
 
 import os
 import random
@@ -7,6 +8,7 @@ import pytest
 from flwr.common.secure_aggregation.crypto.shamir import combine_shares as flower_combine
 from flwr.common.secure_aggregation.crypto.shamir import create_shares
 
+from fedlora import shamir
 from fedlora.shamir import combine_shares, gf_inverse, gf_mul, lagrange_at_zero
 
 
@@ -56,3 +58,42 @@ def test_shares_that_are_not_of_one_secret_are_refused():
         combine_shares([shares[0], shares[1][:-1]])
     with pytest.raises(ValueError, match="not shares of one secret"):
         combine_shares([])
+
+
+@pytest.mark.parametrize(("threshold", "num", "length"), [(2, 3, 32), (5, 8, 306), (3, 3, 16), (45, 50, 32), (1, 1, 0)])
+def test_fedlora_s_split_combines_through_flower_s_from_any_threshold_of_its_shares(threshold, num, length):
+    rng = random.Random(threshold * num + length)
+    secret = rng.randbytes(length)
+    shares = shamir.create_shares(secret, threshold, num)
+    assert [len(s) for s in shares] == [len(s) for s in create_shares(secret, threshold, num)]  # Flower's layout
+    assert [int.from_bytes(s[:4], "little") for s in shares] == list(range(1, num + 1))
+    for size in (threshold, num):
+        subset = rng.sample(shares, size)
+        assert flower_combine(subset) == secret and combine_shares(subset) == secret
+
+
+def test_fedlora_s_split_is_random_and_its_shares_below_the_threshold_miss_the_secret():
+    """Two splits of one secret share no share; threshold - 1 shares decode to something else (or nothing)."""
+    secret = b"s" * 32
+    first, second = shamir.create_shares(secret, 5, 8), shamir.create_shares(secret, 5, 8)
+    assert not set(first) & set(second)
+    for seed in range(20):
+        assert _outcome(flower_combine, random.Random(seed).sample(shamir.create_shares(secret, 5, 8), 4)) != secret
+
+
+def test_the_packed_product_is_the_field_s_in_every_chunk():
+    """Horner by a 32-bit index in one packed integer gives, slot by slot, gf_mul's product."""
+    values = [int.from_bytes(os.urandom(16), "big") for _ in range(4)] + [shamir.MASK]
+    packed = sum(v << (shamir.SLOT * c) for c, v in enumerate(values))
+    low = sum(shamir.MASK << (shamir.SLOT * c) for c in range(len(values)))
+    for index in (1, 2, 3, 100, (1 << 32) - 1):
+        product = shamir._times_index(packed, index, low)
+        assert [(product >> (shamir.SLOT * c)) & shamir.MASK for c in range(len(values))] == [
+            gf_mul(v, index) for v in values]
+        assert product == product & low
+
+
+@pytest.mark.parametrize(("threshold", "num"), [(0, 3), (4, 3), (2, 1 << 32)])
+def test_the_split_refuses_a_threshold_it_cannot_honour(threshold, num):
+    with pytest.raises(ValueError, match="threshold"):
+        shamir.create_shares(b"k", threshold, num)
