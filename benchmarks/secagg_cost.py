@@ -121,7 +121,7 @@ def write_table(done: dict) -> None:
                      f"{a['min_replies']} | {_shamir(done[key])} |")
     lines += ["", "Where the time goes at large N: every client splits its key and mask seed into N Shamir shares of "
               "threshold N_min, O(N N_min) per client (fedlora.shamir: Horner by the share's index, every 16-byte "
-              "chunk in one integer; Flower's `create_shares`: PyCryptodome's constant-time GF(2^128) arithmetic in "
+              "chunk in one integer; Flower's `create_shares`: PyCryptodome's masked GF(2^128) arithmetic in "
               "Python), all clients one after the other here, in parallel on real devices, and the server combines "
               "the survivors' shares of each client's seed (fedlora.shamir: the Lagrange coefficients once a round, "
               "O(N^2), then O(N) per client"

@@ -1,16 +1,16 @@
 """Shamir's secret sharing for secure aggregation, free of Flower, in Flower's format (PyCryptodome's Shamir over
 GF(2^128), each share a 4-byte little-endian index then 16 bytes per chunk of the PKCS#7-padded secret):
 ``create_shares`` for the clients' split of their key and mask seed, ``combine_shares`` for the server's unmask stage.
-Each is interchangeable with Flower's function of the same name (tested both ways); shares Flower never writes, such
-as index 0 or stray bytes, raise ValueError.
+Each is interchangeable with Flower's function of the same name (tested both ways), stricter on bad input: a threshold
+outside 1..num, or shares Flower never writes (index 0, stray bytes), raise ValueError.
 
-Why not Flower's split: PyCryptodome evaluates each 16-byte chunk's polynomial at every index with a constant-time
-multiplication of 128 steps, O(N N_min) of them per chunk; a client's 306-byte key and 32-byte seed are 23 chunks:
-1.9 s a client and round at N = 100. Horner's method multiplies by the index, a public number of a few bits, and
+Why not Flower's split: PyCryptodome evaluates each 16-byte chunk's polynomial at every index with a Python
+multiplication of 128 masked steps, O(N N_min) of them per chunk; a client's 306-byte key and 32-byte seed are 23
+chunks: 1.9 s a client and round at N = 100. Horner's method multiplies by the index, a public number of a few bits, and
 carry-less arithmetic lets one Python integer hold every chunk's running value, so each step serves all 23.
 
 Why not Flower's combine: the server rebuilds every summed client's secret from the same survivors' shares, and
-PyCryptodome computes each secret's Lagrange coefficients anew with a constant-time multiplication, O(k^2) of them per
+PyCryptodome computes each secret's Lagrange coefficients anew with that multiplication, O(k^2) of them per
 16 bytes: 0.7 s per 32-byte secret from 100 shares on this machine, a minute a round at N = 100. The coefficients
 depend only on the share indices, which every secret of a round shares: computed once per set of indices, each secret
 then costs k multiplications. The multiplication loops over the bits of the public coefficient, not of the share.

@@ -59,9 +59,18 @@ def _congruent(total, vectors, nodes):
     return all(not np.mod(total[name] - sum(vectors[n][name] for n in nodes), 2 * HALF_RANGE).any() for name in SHAPES)
 
 
-def test_the_client_app_s_secaggplus_mod_splits_with_fedlora_shamir():
+def test_the_client_app_s_secaggplus_mod_splits_with_fedlora_shamir(monkeypatch):
+    """In a round through Flower's mod every client's key and seed are split by fedlora.shamir's arithmetic."""
     assert client_app._mod_module is sys.modules[secaggplus_mod.__module__]
-    assert client_app._mod_module.create_shares is shamir.create_shares
+    splits = []
+    horner = shamir._times_index
+    monkeypatch.setattr(shamir, "_times_index", lambda *args: splits.append(args[1]) or horner(*args))
+    nodes = [1, 2, 3, 4]
+    result, vectors, _ = _run(nodes)
+    assert result.summed == nodes and _congruent(result.total, vectors, nodes)
+    # each client's 2 secrets, shared among all 4 clients (itself included: indices 1..4), by Horner's threshold = 3
+    # steps per index
+    assert sorted(splits) == sorted([1, 2, 3, 4] * 3 * 2 * len(nodes))
 
 
 def test_the_secure_sum_is_the_plain_sum_and_the_server_sees_no_single_vector():

@@ -72,6 +72,26 @@ def test_fedlora_s_split_combines_through_flower_s_from_any_threshold_of_its_sha
         assert flower_combine(subset) == secret and combine_shares(subset) == secret
 
 
+def test_fedlora_s_split_is_pycryptodome_s_byte_for_byte_given_the_same_coefficients(monkeypatch):
+    """Each chunk's polynomial, fed the same random coefficients, gives PyCryptodome's Shamir.split's shares (Flower's
+    split) to the byte; a fresh 128-bit draw for every coefficient of every chunk."""
+    from Crypto.Protocol import SecretSharing
+
+    threshold, num, secret = 4, 9, os.urandom(40)  # 48 padded bytes: 3 chunks
+    draws = [[int.from_bytes(os.urandom(16), "big") for _ in range(3)] for _ in range(threshold - 1)]  # [degree][chunk]
+    stream = iter(value for row in draws for value in row)
+    monkeypatch.setattr(shamir.secrets, "randbits", lambda bits: next(stream) if bits == 128 else pytest.fail(bits))
+    ours = shamir.create_shares(secret, threshold, num)
+    assert next(stream, None) is None  # every draw used, none reused
+    padded = secret + bytes([8]) * 8
+    for chunk in range(3):
+        coefficients = iter(draws[degree][chunk].to_bytes(16, "big") for degree in range(threshold - 1))
+        monkeypatch.setattr(SecretSharing, "rng", lambda size: next(coefficients))
+        theirs = SecretSharing.Shamir.split(threshold, num, padded[16 * chunk:16 * (chunk + 1)], ssss=False)
+        ours_of_chunk = [(index, share[4 + 16 * chunk:4 + 16 * (chunk + 1)]) for index, share in enumerate(ours, 1)]
+        assert ours_of_chunk == theirs
+
+
 def test_fedlora_s_split_is_random_and_its_shares_below_the_threshold_miss_the_secret():
     """Two splits of one secret share no share; threshold - 1 shares decode to something else (or nothing)."""
     secret = b"s" * 32
