@@ -6,7 +6,7 @@ outside 1..num, or shares Flower never writes (index 0, stray bytes), raise Valu
 
 Why not Flower's split: PyCryptodome evaluates each 16-byte chunk's polynomial at every index with a Python
 multiplication of 128 masked steps, O(N N_min) of them per chunk; a client's 306-byte key and 32-byte seed are 23
-chunks: 1.9 s a client and round at N = 100. Horner's method multiplies by the index, a public number of a few bits, and
+chunks: 1.9 to 5.6 s a client and round at N = 100 on the 2-core machines here. Horner's method multiplies by the index, a public number of a few bits, and
 carry-less arithmetic lets one Python integer hold every chunk's running value, so each step serves all 23.
 
 Why not Flower's combine: the server rebuilds every summed client's secret from the same survivors' shares, and
