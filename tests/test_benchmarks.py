@@ -320,10 +320,11 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
     findings = text.split("| operator")[0]  # not the command line, which holds pytest's arguments
     assert "precision fp32)" in findings and "bf16" not in findings  # auto is fp32 on a CPU: no bf16 to compare with
-    for ran, other in (("bf16", "bf16-backbone"), ("bf16-backbone", "bf16")):  # each against the other
-        bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision=ran, top=5)
-        assert (tmp_path / f"client_profile_cpu_m2_{ran}.md").read_text() == bf16 and f"precision {ran})" in bf16
-        assert re.search(rf"The model alone at precision {other} \(.*\): [\d.]+ s \(\d+ images/s\)\.", bf16)
+    # a GPU's precision (bf16 is slow on a CPU without bf16 units: one of the two, each names the other)
+    bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision="bf16-backbone", top=5)
+    assert (tmp_path / "client_profile_cpu_m2_bf16-backbone.md").read_text() == bf16
+    assert "precision bf16-backbone)" in bf16
+    assert re.search(r"The model alone at precision bf16 \(.*\): [\d.]+ s \(\d+ images/s\)\.", bf16)
 
 
 def test_a_throughput_row_counts_whole_groups_of_the_clients_it_trained(monkeypatch):
