@@ -320,7 +320,7 @@ def test_the_client_profile_accounts_for_the_group_s_time_by_operator(tmp_path, 
     assert abs(path_rate * path_s - alone_rate * alone_s) <= 0.5 * (path_s + alone_s) + 5e-4 * (path_rate + alone_rate)
     findings = text.split("| operator")[0]  # not the command line, which holds pytest's arguments
     assert "precision fp32)" in findings and "bf16" not in findings  # auto is fp32 on a CPU: no bf16 to compare with
-    # a GPU's precision (bf16 is slow on a CPU without bf16 units: one of the two, each names the other)
+    # the GPU's default only (bf16 is slow on a CPU without bf16 units); its report times bf16 autocast's model too
     bf16 = client_throughput.profile("quickstart", None, batch=2, threads=1, precision="bf16-backbone", top=5)
     assert (tmp_path / "client_profile_cpu_m2_bf16-backbone.md").read_text() == bf16
     assert "precision bf16-backbone)" in bf16
